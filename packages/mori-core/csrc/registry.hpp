@@ -1,0 +1,8 @@
+// Each component of the extension registers its bindings here; module.cpp only calls them.
+#pragma once
+#include <pybind11/pybind11.h>
+
+namespace mori {
+void register_shm_segment(pybind11::module_& m);
+void register_atomics(pybind11::module_& m);
+}  // namespace mori

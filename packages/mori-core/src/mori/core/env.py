@@ -1,0 +1,152 @@
+"""Every ``MORI_*`` environment variable mori-core reads, parsed and validated in one place.
+
+Each variable is a :class:`EnvVar` constant with its default, an example and the accepted values;
+``mori env`` prints them all (plugins add theirs through the ``mori_env_vars`` hook). Values are
+read on use, never at import, so tests and launchers may set them late.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from mori.core.errors import MoriValueError
+
+T = TypeVar("T")
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``"6G"`` -> 6 GiB in bytes. Suffixes K, M, G, T are binary; ``B``/``iB`` may follow."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError("expected a byte count such as 4096, 512M, 6G or 1.5G")
+    value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+    if value <= 0:
+        raise ValueError("must be larger than 0")
+    return value
+
+
+def parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "on", "true", "yes"):
+        return True
+    if t in ("0", "off", "false", "no"):
+        return False
+    raise ValueError("expected one of 1/0, on/off, true/false, yes/no")
+
+
+def parse_positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError("must be a number of seconds larger than 0")
+    return value
+
+
+def choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text.strip() not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}")
+        return text.strip()
+
+    return parse
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    """One environment variable: ``get()`` returns the parsed value or the default."""
+
+    name: str
+    default: str | None
+    doc: str
+    example: str
+    parse: Callable[[str], T]
+    accepted: str = ""
+
+    def raw(self) -> str | None:
+        value = os.environ.get(self.name)
+        return None if value is None or value.strip() == "" else value
+
+    def get(self) -> T | None:
+        text = self.raw()
+        if text is None:
+            text = self.default
+        if text is None:
+            return None
+        try:
+            return self.parse(text)
+        except ValueError as e:
+            raise MoriValueError(
+                f"environment variable {self.name}={text!r} is not valid: {e} (example: {self.example})"
+            ) from None
+
+    def require(self) -> T:
+        value = self.get()
+        if value is None:
+            raise MoriValueError(f"environment variable {self.name} must be set (example: {self.example})")
+        return value
+
+
+MORI_SHMEM_HEAP_SIZE = EnvVar(
+    "MORI_SHMEM_HEAP_SIZE", "4G", "Bytes of symmetric heap per rank (static heap mode).", "6G", parse_size
+)
+MORI_SHMEM_MODE = EnvVar(
+    "MORI_SHMEM_MODE",
+    "static_heap",
+    "Symmetric heap mode. The CPU runtime supports static_heap only; vmm_heap comes with GPU runtimes.",
+    "static_heap",
+    choice("static_heap", "vmm_heap", "isolation"),
+    "static_heap, vmm_heap, isolation",
+)
+MORI_BOOTSTRAP_TIMEOUT = EnvVar(
+    "MORI_BOOTSTRAP_TIMEOUT",
+    "300",
+    "Seconds a rendezvous, barrier or default wait may take before it fails naming the missing ranks.",
+    "60",
+    parse_positive_float,
+)
+MORI_NODE_ID = EnvVar(
+    "MORI_NODE_ID",
+    None,
+    "Identity of this node: ranks with equal ids share memory. Default: the kernel boot id, else the hostname.",
+    "rack3-node7",
+    str,
+)
+MORI_SOCKET_IFNAME = EnvVar(
+    "MORI_SOCKET_IFNAME",
+    None,
+    "Network interface whose IPv4 address the unique-id rendezvous advertises. Default: the hostname's address.",
+    "eth0",
+    str,
+)
+MORI_DEVICE_RUNTIME = EnvVar(
+    "MORI_DEVICE_RUNTIME",
+    "auto",
+    "Device runtime that backs the symmetric heap: a runtime name from `mori backends`, or auto "
+    "(the usable runtime of highest priority).",
+    "cpu",
+    str,
+)
+MORI_DISABLE_P2P = EnvVar(
+    "MORI_DISABLE_P2P",
+    "0",
+    "Do not use load/store transports between ranks (forces the proxy path; unreachable peers give errors).",
+    "1",
+    parse_bool,
+)
+
+#: every variable mori-core reads, in the order `mori env` prints them
+ALL: tuple[EnvVar[object], ...] = (
+    MORI_SHMEM_HEAP_SIZE,  # type: ignore[assignment]
+    MORI_SHMEM_MODE,
+    MORI_BOOTSTRAP_TIMEOUT,
+    MORI_NODE_ID,
+    MORI_SOCKET_IFNAME,
+    MORI_DEVICE_RUNTIME,
+    MORI_DISABLE_P2P,
+)

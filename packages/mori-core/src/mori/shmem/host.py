@@ -1,0 +1,196 @@
+"""Host-side one-sided operations over the symmetric heap: put/get, atomics, signals, waits.
+
+``dest``/``source``/``sig_addr``/``ivar`` are addresses of symmetric objects *as seen by this PE*
+(what :func:`~mori.shmem.shmem_malloc` returned here); ``pe`` says whose copy is meant. Transfers
+on the host are complete when the call returns (so :func:`shmem_quiet` only orders memory); they
+run with the GIL released. Atomics and waits are native and sequentially consistent across
+processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mori.core import _core
+from mori.core.errors import MoriTimeoutError, MoriValueError, bad_value
+from mori.shmem.context import current
+
+#: signal operations for shmem_putmem_signal / shmem_signal_op (values as in the original)
+SIGNAL_SET = 9
+SIGNAL_ADD = 10
+
+#: comparisons for shmem_wait_until
+SHMEM_CMP_EQ = 0
+SHMEM_CMP_NE = 1
+SHMEM_CMP_GT = 2
+SHMEM_CMP_GE = 3
+SHMEM_CMP_LT = 4
+SHMEM_CMP_LE = 5
+
+_CMP_NAMES = {0: "==", 1: "!=", 2: ">", 3: ">=", 4: "<", 5: "<="}
+# word codes of mori.core._core and their sizes
+_WORDS = {"int32": (0, 4), "uint32": (1, 4), "int64": (2, 8), "uint64": (3, 8)}
+_OP_FETCH, _OP_SET, _OP_ADD, _OP_SWAP = 0, 1, 2, 3
+
+
+def _word(func: str, dtype: Any) -> tuple[int, int]:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _WORDS:
+        raise bad_value(func, "dtype", dtype, "int32, uint32, int64 or uint64 (str or torch dtype)")
+    return _WORDS[name]
+
+
+def _nbytes(func: str, nbytes: Any) -> int:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise bad_value(func, "nbytes", nbytes, "a number of bytes >= 0")
+    return nbytes
+
+
+def _copy(dst: Any, src: Any) -> None:
+    # torch's copy releases the GIL and runs vectorised on all intra-op threads; a put from a PE's
+    # heap into the same PE's overlapping range needs memmove semantics, hence the clone.
+    if dst.data_ptr() < src.data_ptr() + src.numel() and src.data_ptr() < dst.data_ptr() + dst.numel():
+        src = src.clone()
+    dst.copy_(src)
+
+
+def shmem_putmem(dest: int, source: int, nbytes: int, pe: int) -> None:
+    """Copy ``nbytes`` from local ``source`` (heap or registered buffer) to ``dest`` on PE ``pe``."""
+    func = "shmem_putmem"
+    ctx = current(func)
+    ctx.check_pe(func, pe)
+    n = _nbytes(func, nbytes)
+    off = ctx.heap_offset(func, "dest", dest, n)
+    src = ctx.local_view(func, "source", source, n)
+    _copy(ctx.heap_view(pe)[off : off + n], src)
+
+
+def shmem_getmem(dest: int, source: int, nbytes: int, pe: int) -> None:
+    """Copy ``nbytes`` from ``source`` on PE ``pe`` to local ``dest`` (heap or registered buffer)."""
+    func = "shmem_getmem"
+    ctx = current(func)
+    ctx.check_pe(func, pe)
+    n = _nbytes(func, nbytes)
+    off = ctx.heap_offset(func, "source", source, n)
+    dst = ctx.local_view(func, "dest", dest, n)
+    _copy(dst, ctx.heap_view(pe)[off : off + n])
+
+
+def shmem_putmem_signal(dest: int, source: int, nbytes: int, sig_addr: int, signal: int, sig_op: int, pe: int) -> None:
+    """Put, then update the uint64 signal word ``sig_addr`` on ``pe`` (after the data is visible).
+
+    ``sig_op``: :data:`SIGNAL_SET` stores ``signal``, :data:`SIGNAL_ADD` adds it atomically.
+    """
+    func = "shmem_putmem_signal"
+    _check_sig_op(func, sig_op)
+    shmem_putmem(dest, source, nbytes, pe)
+    _core.fence()
+    shmem_signal_op(sig_addr, signal, sig_op, pe)
+
+
+def shmem_signal_op(sig_addr: int, signal: int, sig_op: int, pe: int) -> None:
+    """Update the uint64 signal word ``sig_addr`` on PE ``pe``: set (SIGNAL_SET) or add (SIGNAL_ADD)."""
+    func = "shmem_signal_op"
+    _check_sig_op(func, sig_op)
+    _amo(func, sig_addr, pe, _OP_SET if sig_op == SIGNAL_SET else _OP_ADD, signal, "uint64")
+
+
+def shmem_signal_fetch(sig_addr: int) -> int:
+    """Read this PE's uint64 signal word ``sig_addr``."""
+    return _amo("shmem_signal_fetch", sig_addr, current("shmem_signal_fetch").my_pe, _OP_FETCH, 0, "uint64")
+
+
+def _check_sig_op(func: str, sig_op: Any) -> None:
+    if sig_op not in (SIGNAL_SET, SIGNAL_ADD):
+        raise bad_value(func, "sig_op", sig_op, "SIGNAL_SET (9) or SIGNAL_ADD (10)")
+
+
+def _amo(func: str, dest: int, pe: int, op: int, value: int, dtype: Any) -> int:
+    ctx = current(func)
+    ctx.check_pe(func, pe)
+    code, size = _word(func, dtype)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_value(func, "value", value, f"an int that fits {dtype}")
+    addr = ctx.remote_addr(func, "dest", dest, size, pe)
+    try:
+        return int(_core.atomic_rmw(addr, op, code, value))
+    except (ValueError, OverflowError, TypeError) as e:
+        raise MoriValueError(f"{func}: {e} (dest={dest:#x}, value={value}, dtype={dtype})") from None
+
+
+def shmem_atomic_fetch(dest: int, pe: int, *, dtype: Any = "int64") -> int:
+    """Atomically read the word at ``dest`` on ``pe``."""
+    return _amo("shmem_atomic_fetch", dest, pe, _OP_FETCH, 0, dtype)
+
+
+def shmem_atomic_set(dest: int, value: int, pe: int, *, dtype: Any = "int64") -> None:
+    """Atomically store ``value`` at ``dest`` on ``pe``."""
+    _amo("shmem_atomic_set", dest, pe, _OP_SET, value, dtype)
+
+
+def shmem_atomic_add(dest: int, value: int, pe: int, *, dtype: Any = "int64") -> None:
+    """Atomically add ``value`` to the word at ``dest`` on ``pe`` (wraps on overflow)."""
+    _amo("shmem_atomic_add", dest, pe, _OP_ADD, value, dtype)
+
+
+def shmem_atomic_fetch_add(dest: int, value: int, pe: int, *, dtype: Any = "int64") -> int:
+    """Atomically add ``value`` at ``dest`` on ``pe``; return the previous value."""
+    return _amo("shmem_atomic_fetch_add", dest, pe, _OP_ADD, value, dtype)
+
+
+def shmem_atomic_swap(dest: int, value: int, pe: int, *, dtype: Any = "int64") -> int:
+    """Atomically replace the word at ``dest`` on ``pe`` with ``value``; return the previous value."""
+    return _amo("shmem_atomic_swap", dest, pe, _OP_SWAP, value, dtype)
+
+
+def shmem_atomic_compare_swap(dest: int, cond: int, value: int, pe: int, *, dtype: Any = "int64") -> int:
+    """If the word at ``dest`` on ``pe`` equals ``cond``, replace it with ``value``. Returns the
+    value found (equal to ``cond`` exactly when the swap happened)."""
+    func = "shmem_atomic_compare_swap"
+    ctx = current(func)
+    ctx.check_pe(func, pe)
+    code, size = _word(func, dtype)
+    addr = ctx.remote_addr(func, "dest", dest, size, pe)
+    try:
+        return int(_core.atomic_compare_swap(addr, code, cond, value))
+    except (ValueError, OverflowError, TypeError) as e:
+        raise MoriValueError(f"{func}: {e} (dest={dest:#x}, cond={cond}, value={value}, dtype={dtype})") from None
+
+
+def shmem_wait_until(ivar: int, cmp: int, value: int, *, dtype: Any = "int64", timeout: float | None = None) -> int:
+    """Block until this PE's word at ``ivar`` satisfies ``word <cmp> value``; return the word.
+
+    ``cmp``: one of ``SHMEM_CMP_EQ/NE/GT/GE/LT/LE``. ``timeout``: seconds; None means
+    ``MORI_BOOTSTRAP_TIMEOUT``; a negative value waits forever. Raises
+    :class:`~mori.core.errors.MoriTimeoutError` with the last value seen. Releases the GIL.
+    """
+    func = "shmem_wait_until"
+    ctx = current(func)
+    if cmp not in _CMP_NAMES:
+        raise bad_value(func, "cmp", cmp, "SHMEM_CMP_EQ, _NE, _GT, _GE, _LT or _LE (0-5)")
+    code, size = _word(func, dtype)
+    addr = ctx.remote_addr(func, "ivar", ivar, size, ctx.my_pe)
+    limit = ctx.timeout_s if timeout is None else float(timeout)
+    try:
+        ok, last = _core.wait_until(addr, cmp, code, value, limit)
+    except (ValueError, OverflowError, TypeError) as e:
+        raise MoriValueError(f"{func}: {e} (ivar={ivar:#x}, value={value}, dtype={dtype})") from None
+    if not ok:
+        raise MoriTimeoutError(
+            f"{func}: word at {ivar:#x} on PE {ctx.my_pe} is {last}, still not {_CMP_NAMES[cmp]} {value} "
+            f"after {limit:g} s"
+        )
+    return int(last)
+
+
+def shmem_fence() -> None:
+    """Order this PE's puts: those before reach their targets before those after."""
+    current("shmem_fence")
+    _core.fence()
+
+
+def shmem_quiet() -> None:
+    """Complete every outstanding put and atomic of this PE (host transfers are already complete
+    at return; this is the memory barrier that makes them visible)."""
+    current("shmem_quiet")
+    _core.fence()
