@@ -26,14 +26,31 @@ namespace {
   throw py::error_already_set();
 }
 
+// Every mapping starts on a kMapAlign boundary, so an allocation aligned within the heap is
+// aligned in every process's address space too (up to kMapAlign), whatever mmap would pick.
+constexpr std::size_t kMapAlign = std::size_t{2} << 20;
+
 void* map_fd(int fd, std::size_t size, const std::string& name) {
-  void* addr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (addr == MAP_FAILED) {
+  const std::size_t span = size + kMapAlign;
+  void* reserve = mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (reserve == MAP_FAILED) {
     int err = errno;
     close(fd);
+    raise_os_error("mmap (address reservation) for", name, err);
+  }
+  const auto start = reinterpret_cast<std::uintptr_t>(reserve);
+  const std::uintptr_t aligned = (start + kMapAlign - 1) & ~(kMapAlign - 1);
+  void* addr = mmap(reinterpret_cast<void*>(aligned), size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
+  int err = errno;
+  close(fd);
+  if (addr == MAP_FAILED) {
+    munmap(reserve, span);
     raise_os_error("mmap of shared-memory segment", name, err);
   }
-  close(fd);
+  // give back the unused head and tail of the reservation
+  if (aligned > start) munmap(reserve, aligned - start);
+  const std::uintptr_t end = aligned + size, reserve_end = start + span;
+  if (reserve_end > end) munmap(reinterpret_cast<void*>(end), reserve_end - end);
   return addr;
 }
 
@@ -79,6 +96,7 @@ bool unlink_segment(const std::string& name) {
 }  // namespace
 
 void register_shm_segment(py::module_& m) {
+  m.attr("SHM_MAP_ALIGN") = kMapAlign;
   m.def("shm_create", &create_segment, py::arg("name"), py::arg("size"),
         "Create (exclusively) and map a POSIX shared-memory segment of `size` bytes; return its address.");
   m.def("shm_open", &open_segment, py::arg("name"), py::arg("size"),

@@ -20,7 +20,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from mori.core import env
 from mori.core.errors import MoriError, MoriTimeoutError, MoriValueError, bad_value, format_ranks
@@ -52,7 +52,12 @@ class UniqueId:
     def unpack(cls, uid: bytes | bytearray | memoryview) -> UniqueId:
         raw = bytes(uid)
         if len(raw) != UNIQUE_ID_BYTES:
-            raise bad_value("shmem_init_attr", "uid", f"<{len(raw)} bytes>", f"{UNIQUE_ID_BYTES} bytes from shmem_get_unique_id()")
+            raise bad_value(
+                "shmem_init_attr",
+                "uid",
+                f"<{len(raw)} bytes>",
+                f"{UNIQUE_ID_BYTES} bytes from shmem_get_unique_id()",
+            )
         magic, port, nonce, n = _HEADER.unpack_from(raw)
         if magic != _MAGIC or n > _MAX_HOST:
             raise bad_value("shmem_init_attr", "uid", raw[:8], "bytes made by shmem_get_unique_id()")
@@ -71,7 +76,7 @@ def get_unique_id() -> bytes:
     The process must stay alive until every rank has initialised. ``MORI_SOCKET_IFNAME`` picks
     the interface whose address goes into the id.
     """
-    from torch.distributed import TCPStore
+    from torch._C._distributed_c10d import TCPStore
 
     timeout = datetime.timedelta(seconds=env.MORI_BOOTSTRAP_TIMEOUT.require())
     server = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timeout)
@@ -82,7 +87,7 @@ def get_unique_id() -> bytes:
 
 
 def _connect(uid: UniqueId, timeout_s: float) -> Any:
-    from torch.distributed import PrefixStore, TCPStore
+    from torch._C._distributed_c10d import PrefixStore, TCPStore
 
     with _servers_lock:
         store = _servers.get(uid.nonce)
@@ -178,7 +183,7 @@ def _resolve_group(group_name: str, func: str) -> Any:
     try:
         from torch._C._distributed_c10d import _resolve_process_group
 
-        return _resolve_process_group(group_name)
+        return _resolve_process_group(cast(Any, group_name))
     except (ImportError, RuntimeError, ValueError):
         if group_name in ("default", "world"):
             return dist.group.WORLD

@@ -88,11 +88,15 @@ def build_parser(plugins: Plugins | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_header())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("backends", help=f"list plugins found in the '{BACKEND_GROUP}' group and whether they work here")
+    p = sub.add_parser(
+        "backends", help=f"list plugins found in the '{BACKEND_GROUP}' group and whether they work here"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="also list every plugin entry point")
     p.set_defaults(func=_cmd_backends)
 
-    p = sub.add_parser("env", help="list MORI_* variables, their values and defaults; exit 1 if one is invalid")
+    p = sub.add_parser(
+        "env", help="list MORI_* variables, their values and defaults; exit 1 if one is invalid"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="also print what each variable does")
     p.set_defaults(func=_cmd_env)
 
@@ -102,7 +106,12 @@ def build_parser(plugins: Plugins | None = None) -> argparse.ArgumentParser:
         sp = bench_sub.add_parser(suite.name, help=suite.help)
         suite.add_arguments(sp)
         sp.set_defaults(func=suite.run)
-    bench.set_defaults(func=lambda _a: (bench.print_help(), 2)[1])
+
+    def list_suites(_args: argparse.Namespace) -> int:
+        bench.print_help()
+        return 2
+
+    bench.set_defaults(func=list_suites)
 
     plugins.call("mori_add_commands", subparsers=sub)
     return parser

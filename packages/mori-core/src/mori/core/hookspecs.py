@@ -1,3 +1,4 @@
+# mypy: disable-error-code="empty-body"
 """Hook specifications: the whole contract between mori-core and its plugins.
 
 Plugins are modules (or objects) named by entry points in the group ``mori.backends`` (device

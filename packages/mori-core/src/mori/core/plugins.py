@@ -56,7 +56,7 @@ class Plugins:
         for group in groups:
             for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
                 self._load(ep, group)
-        self.pm.check_pending()
+        self._drop_plugins_with_unknown_hooks()
         self._lock = threading.Lock()
         self._found: dict[str, list[Found]] = {}
 
@@ -71,9 +71,28 @@ class Plugins:
         try:
             self.pm.register(ep.load(), name=ep.name)
         except Exception as e:  # a broken plugin must not break core: show it instead
-            self.records.append(PluginRecord(ep.name, group, ep.value, dist, version, f"{type(e).__name__}: {e}"))
+            self.records.append(
+                PluginRecord(ep.name, group, ep.value, dist, version, f"{type(e).__name__}: {e}")
+            )
             return
         self.records.append(PluginRecord(ep.name, group, ep.value, dist, version))
+
+    def _drop_plugins_with_unknown_hooks(self) -> None:
+        # A mori_* function that matches no hookspec is a typo or a version mismatch: name it,
+        # and keep the plugin out instead of silently never calling it.
+        while True:
+            try:
+                self.pm.check_pending()
+                return
+            except pluggy.PluginValidationError as e:
+                name = self.pm.get_name(e.plugin)
+                self.pm.unregister(e.plugin)
+                self.records = [
+                    PluginRecord(r.name, r.group, r.value, r.distribution, r.version, str(e))
+                    if r.name == name
+                    else r
+                    for r in self.records
+                ]
 
     def record_of(self, plugin: object) -> PluginRecord:
         name = self.pm.get_name(plugin)
@@ -139,8 +158,6 @@ def reset_plugins() -> None:
     global _plugins
     with _plugins_lock:
         _plugins = None
-
-
 
 
 def select(kind: str, found: Sequence[Found], name: str) -> Found:

@@ -36,7 +36,9 @@ def interface_ipv4(ifname: str) -> str:
         try:
             packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))  # SIOCGIFADDR
         except OSError as e:
-            raise MoriValueError(f"MORI_SOCKET_IFNAME={ifname!r}: interface has no IPv4 address ({e})") from None
+            raise MoriValueError(
+                f"MORI_SOCKET_IFNAME={ifname!r}: interface has no IPv4 address ({e})"
+            ) from None
     return socket.inet_ntoa(packed[20:24])
 
 

@@ -15,6 +15,9 @@ from mori.shmem import context, layout
 from mori.shmem.context import ShmemContext, current
 from mori.shmem.heap import MIN_ALIGN
 
+#: every heap segment is mapped at a multiple of this, so larger alignments cannot be promised
+MAX_ALIGN = 2 << 20
+
 #: shmem_init_attr flags
 MORI_SHMEM_INIT_WITH_MPI_COMM = 0
 MORI_SHMEM_INIT_WITH_UNIQUEID = 1
@@ -46,19 +49,25 @@ def shmem_init_attr(flags: int, rank: int, nranks: int, uid: Any) -> int:
     if flags == MORI_SHMEM_INIT_WITH_UNIQUEID:
         if not isinstance(uid, (bytes, bytearray, memoryview)):
             raise bad_value(func, "uid", type(uid).__name__, "bytes from shmem_get_unique_id()")
-        context.install(func, lambda: ShmemContext(bootstrap.StoreBootstrap(rank, nranks, bytes(uid), func=func)))
+        context.install(
+            func, lambda: ShmemContext(bootstrap.StoreBootstrap(rank, nranks, bytes(uid), func=func))
+        )
     elif flags == MORI_SHMEM_INIT_WITH_MPI_COMM:
 
         def make() -> ShmemContext:
             boot = bootstrap.from_mpi(uid, func=func)
             if (boot.rank, boot.nranks) != (rank, nranks):
                 boot.close()
-                raise bad_value(func, "rank/nranks", (rank, nranks), f"the communicator's ({boot.rank}, {boot.nranks})")
+                raise bad_value(
+                    func, "rank/nranks", (rank, nranks), f"the communicator's ({boot.rank}, {boot.nranks})"
+                )
             return ShmemContext(boot)
 
         context.install(func, make)
     else:
-        raise bad_value(func, "flags", flags, "MORI_SHMEM_INIT_WITH_UNIQUEID (1) or MORI_SHMEM_INIT_WITH_MPI_COMM (0)")
+        raise bad_value(
+            func, "flags", flags, "MORI_SHMEM_INIT_WITH_UNIQUEID (1) or MORI_SHMEM_INIT_WITH_MPI_COMM (0)"
+        )
     return 0
 
 
@@ -120,8 +129,14 @@ def shmem_malloc_align(alignment: int, size: int, *, func: str = "shmem_malloc_a
     ctx = current(func)
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
         raise bad_value(func, "size", size, "a number of bytes > 0")
-    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise bad_value(func, "alignment", alignment, "a power of two > 0")
+    if (
+        isinstance(alignment, bool)
+        or not isinstance(alignment, int)
+        or alignment <= 0
+        or alignment & (alignment - 1)
+        or alignment > MAX_ALIGN
+    ):
+        raise bad_value(func, "alignment", alignment, f"a power of two in [1, {MAX_ALIGN}]")
     with ctx.lock:
         block = ctx.allocator.allocate(size, alignment)
         offset = block.offset if block else 0
@@ -143,7 +158,9 @@ def shmem_malloc_align(alignment: int, size: int, *, func: str = "shmem_malloc_a
 def shmem_ext_malloc_with_flags(size: int, flags: int = 0) -> int:
     """:func:`shmem_malloc` with allocation flags. The CPU runtime accepts ``flags=0`` only."""
     if flags != 0:
-        raise bad_value("shmem_ext_malloc_with_flags", "flags", flags, "0 (no flags are defined for this runtime)")
+        raise bad_value(
+            "shmem_ext_malloc_with_flags", "flags", flags, "0 (no flags are defined for this runtime)"
+        )
     return shmem_malloc_align(MIN_ALIGN, size, func="shmem_ext_malloc_with_flags")
 
 
@@ -152,14 +169,19 @@ def shmem_free(ptr: int) -> int:
     func = "shmem_free"
     ctx = current(func)
     with ctx.lock:
-        off = ctx.heap_offset(func, "ptr", ptr, 0) if isinstance(ptr, int) and ptr >= ctx.base else None
-        if off is None or off not in ctx.allocator.live:
-            if off is not None and off in ctx.allocator.freed:
+        off = ctx.heap_offset(func, "ptr", ptr, 0)  # foreign pointers and non-ints raise here
+        size = ctx.allocator.live.get(off)
+        if size is None:
+            if off in ctx.allocator.freed:
                 raise MoriValueError(f"{func}: ptr={ptr:#x} was already freed (double free)")
-            inside = ctx.allocator.containing(off) if off is not None else None
-            hint = f" (it points {off - inside.offset} bytes into the block at {ctx.base + inside.offset:#x})" if inside and off is not None else ""
-            raise MoriValueError(f"{func}: ptr={ptr!r} was not returned by shmem_malloc{hint}")
-        ctx.check_collective(func, _KIND_FREE, off, ctx.allocator.live[off])
+            inside = ctx.allocator.containing(off)
+            hint = (
+                f" (it points {off - inside.offset} bytes into the block at {ctx.base + inside.offset:#x})"
+                if inside
+                else ""
+            )
+            raise MoriValueError(f"{func}: ptr={ptr:#x} was not returned by shmem_malloc{hint}")
+        ctx.check_collective(func, _KIND_FREE, off, size)
         ctx.allocator.release(off)
     return 0
 
@@ -194,7 +216,9 @@ def shmem_buffer_deregister(ptr: int, size: int) -> int:
     with ctx.lock:
         if ctx.registered.get(ptr) != size:
             known = ", ".join(f"({a:#x}, {s})" for a, s in ctx.registered.items()) or "none"
-            raise MoriValueError(f"{func}: ({ptr!r}, {size!r}) is not a registered buffer (registered: {known})")
+            raise MoriValueError(
+                f"{func}: ({ptr!r}, {size!r}) is not a registered buffer (registered: {known})"
+            )
         del ctx.registered[ptr]
     return 0
 

@@ -13,7 +13,11 @@ from mori.core.plugins import hookimpl
 def mori_bench_suites() -> Sequence[BenchSuite]:
     from mori.shmem import bench
 
-    return [BenchSuite("shmem", bench.__doc__.splitlines()[0] if bench.__doc__ else "", bench.add_arguments, bench.run)]
+    return [
+        BenchSuite(
+            "shmem", bench.__doc__.splitlines()[0] if bench.__doc__ else "", bench.add_arguments, bench.run
+        )
+    ]
 
 
 @hookimpl

@@ -52,13 +52,19 @@ class ShmemContext:
             )
         plugins = get_plugins()
         found = select("device runtime", plugins.runtimes(), env.MORI_DEVICE_RUNTIME.require())
-        self.runtime: DeviceRuntime = found.backend  # type: ignore[assignment]
+        if not isinstance(found.backend, DeviceRuntime):
+            raise MoriBackendError(
+                f"plugin '{found.plugin.name}' returned a {type(found.backend).__name__} as a device runtime"
+            )
+        self.runtime: DeviceRuntime = found.backend
         if mode != "static_heap" and self.runtime.torch_device == "cpu":
             raise MoriValueError(
                 f"MORI_SHMEM_MODE={mode!r} is not supported by the {self.runtime.name} runtime: use static_heap"
             )
         self.transports: list[Transport] = [
-            f.backend for f in plugins.transports() if f.availability.usable  # type: ignore[misc]
+            f.backend
+            for f in plugins.transports()
+            if f.availability.usable and isinstance(f.backend, Transport)
         ]
         self.segment: HeapSegment | None = None
         self.peers: list[PeerSegment | None] = [None] * self.n_pes
@@ -90,7 +96,10 @@ class ShmemContext:
             heap_size=self.heap_size,
             segment_handle=self.segment.handle,
         )
-        infos = [_decode_peer(raw) for raw in self.bootstrap.allgather(_encode_peer(me), what="shmem heap exchange")]
+        infos = [
+            _decode_peer(raw)
+            for raw in self.bootstrap.allgather(_encode_peer(me), what="shmem heap exchange")
+        ]
         sizes = {i.rank: i.heap_size for i in infos}
         odd = [r for r, s in sizes.items() if s != self.heap_size]
         if odd:
@@ -146,7 +155,9 @@ class ShmemContext:
     def heap_offset(self, func: str, arg: str, addr: Any, nbytes: int) -> int:
         """Offset of ``[addr, addr+nbytes)`` in the user heap; error if it is not all inside."""
         if isinstance(addr, bool) or not isinstance(addr, int):
-            raise MoriValueError(f"{func}: {arg}={addr!r} is not allowed; expected an address (int) in the symmetric heap")
+            raise MoriValueError(
+                f"{func}: {arg}={addr!r} is not allowed; expected an address (int) in the symmetric heap"
+            )
         off = addr - self.base
         if off < layout.USER_OFF or off + nbytes > self.heap_size:
             raise MoriValueError(
@@ -174,7 +185,7 @@ class ShmemContext:
         """uint8 view of local memory that is in the heap or in a registered buffer."""
         if isinstance(addr, int) and not isinstance(addr, bool):
             off = addr - self.base
-            if layout.USER_OFF <= off and off + nbytes <= self.heap_size:
+            if off >= layout.USER_OFF and off + nbytes <= self.heap_size:
                 return self.heap_view(self.my_pe)[off : off + nbytes]
             for start, size in self.registered.items():
                 if start <= addr and addr + nbytes <= start + size:
@@ -218,7 +229,8 @@ class ShmemContext:
                         q
                         for q in range(self.n_pes)
                         if self.bases[q]
-                        and _core.atomic_rmw(self.base + layout.HOST_BARRIER_OFF + q * 8, 0, WORD_INT64, 0) < epoch
+                        and _core.atomic_rmw(self.base + layout.HOST_BARRIER_OFF + q * 8, 0, WORD_INT64, 0)
+                        < epoch
                     ]
                     raise MoriTimeoutError(
                         f"{what}: PEs {format_ranks(late)} of {self.n_pes} did not arrive within "
@@ -245,7 +257,8 @@ class ShmemContext:
         if differ:
             names = {1: "shmem_malloc", 2: "shmem_free"}
             detail = "; ".join(
-                f"PE {p}: call #{t[0]} {names.get(t[1], '?')} offset {t[2]:#x} size {t[3]}" for p, t in differ.items()
+                f"PE {p}: call #{t[0]} {names.get(t[1], '?')} offset {t[2]:#x} size {t[3]}"
+                for p, t in differ.items()
             )
             raise MoriStateError(
                 f"{func} is collective: every PE must make the same calls in the same order. This PE "

@@ -76,7 +76,9 @@ def shmem_getmem(dest: int, source: int, nbytes: int, pe: int) -> None:
     _copy(dst, ctx.heap_view(pe)[off : off + n])
 
 
-def shmem_putmem_signal(dest: int, source: int, nbytes: int, sig_addr: int, signal: int, sig_op: int, pe: int) -> None:
+def shmem_putmem_signal(
+    dest: int, source: int, nbytes: int, sig_addr: int, signal: int, sig_op: int, pe: int
+) -> None:
     """Put, then update the uint64 signal word ``sig_addr`` on ``pe`` (after the data is visible).
 
     ``sig_op``: :data:`SIGNAL_SET` stores ``signal``, :data:`SIGNAL_ADD` adds it atomically.
@@ -154,10 +156,14 @@ def shmem_atomic_compare_swap(dest: int, cond: int, value: int, pe: int, *, dtyp
     try:
         return int(_core.atomic_compare_swap(addr, code, cond, value))
     except (ValueError, OverflowError, TypeError) as e:
-        raise MoriValueError(f"{func}: {e} (dest={dest:#x}, cond={cond}, value={value}, dtype={dtype})") from None
+        raise MoriValueError(
+            f"{func}: {e} (dest={dest:#x}, cond={cond}, value={value}, dtype={dtype})"
+        ) from None
 
 
-def shmem_wait_until(ivar: int, cmp: int, value: int, *, dtype: Any = "int64", timeout: float | None = None) -> int:
+def shmem_wait_until(
+    ivar: int, cmp: int, value: int, *, dtype: Any = "int64", timeout: float | None = None
+) -> int:
     """Block until this PE's word at ``ivar`` satisfies ``word <cmp> value``; return the word.
 
     ``cmp``: one of ``SHMEM_CMP_EQ/NE/GT/GE/LT/LE``. ``timeout``: seconds; None means

@@ -25,7 +25,9 @@ def _shape(func: str, shape: int | Sequence[int]) -> tuple[int, ...]:
     return dims
 
 
-def shmem_tensor_view(addr: int, shape: int | Sequence[int], dtype: torch.dtype, pe: int | None = None) -> torch.Tensor:
+def shmem_tensor_view(
+    addr: int, shape: int | Sequence[int], dtype: torch.dtype, pe: int | None = None
+) -> torch.Tensor:
     """A contiguous tensor over the symmetric object at ``addr`` (this PE's address), on PE ``pe``
     (default: this PE). Not collective; no copy."""
     import torch
@@ -69,7 +71,11 @@ def symm_mori_shmem_tensor(tensor: torch.Tensor, peer: int) -> torch.Tensor:
     func = "symm_mori_shmem_tensor"
     ctx = current(func)
     ctx.check_pe(func, peer, "peer")
-    span = (max((s - 1) * st for s, st in zip(tensor.shape, tensor.stride())) + 1) if tensor.numel() else 0
+    span = (
+        (sum((s - 1) * st for s, st in zip(tensor.shape, tensor.stride(), strict=True)) + 1)
+        if tensor.numel()
+        else 0
+    )
     nbytes = span * tensor.element_size()
     raw = ctx.remote_addr(func, "tensor", tensor.data_ptr(), nbytes, peer)
     import torch
@@ -80,7 +86,9 @@ def symm_mori_shmem_tensor(tensor: torch.Tensor, peer: int) -> torch.Tensor:
     return t
 
 
-def mori_shmem_create_tensor_list_intra_node(shape: int | Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
+def mori_shmem_create_tensor_list_intra_node(
+    shape: int | Sequence[int], dtype: torch.dtype
+) -> list[torch.Tensor]:
     """Allocate a symmetric tensor (collective) and return views of every PE's copy, in PE order.
 
     Every PE must be load/store reachable (ranks of one node)."""

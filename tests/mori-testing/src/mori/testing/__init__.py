@@ -1,112 +1,21 @@
-"""Multi-rank test launcher shared by every MORI package's tests.
+"""Test helpers shared by every MORI package's tests.
 
-Ranks are fresh processes from a forkserver whose parent has already imported torch, so starting
-eight ranks costs well under a second. Functions passed in must be importable (module level).
+The launcher itself lives in mori-core (:mod:`mori.core.launch`, also behind ``mori demo`` and
+``mori bench``); this package fixes the defaults tests want: small heaps and short timeouts, so a
+broken test fails in seconds instead of hanging for the production default of 300 s.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import queue
-import time
-import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-_CTX: Any = None
+from mori.core import launch
+from mori.core.launch import RankError, run_ranks
 
+__all__ = ["RankError", "run_ranks", "shmem_ranks"]
 
-def _context() -> Any:
-    global _CTX
-    if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "mori.shmem"])
-    return _CTX
-
-
-class RankError(AssertionError):
-    """A rank raised: the message holds the rank number and its traceback."""
-
-
-def _entry(fn: Callable[..., Any], rank: int, nranks: int, args: tuple[Any, ...], env: Mapping[str, str], out: Any) -> None:
-    os.environ.update(env)
-    try:
-        out.put((rank, True, fn(rank, nranks, *args)))
-    except BaseException as e:  # report everything, including SystemExit from a rank
-        out.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-
-
-def run_ranks(
-    fn: Callable[..., Any],
-    nranks: int,
-    *args: Any,
-    timeout: float = 120.0,
-    env: Mapping[str, str] | None = None,
-) -> list[Any]:
-    """Run ``fn(rank, nranks, *args)`` on ``nranks`` processes; return results in rank order.
-
-    Raises :class:`RankError` with the first failing rank's traceback, or :class:`TimeoutError`
-    naming the ranks that had not finished after ``timeout`` seconds (all ranks are then killed).
-    """
-    ctx = _context()
-    out = ctx.Queue()
-    procs = [
-        ctx.Process(target=_entry, args=(fn, r, nranks, args, dict(env or {}), out), name=f"rank{r}", daemon=True)
-        for r in range(nranks)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    failures: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
-    # After the first failure the others get a short grace to report theirs, then all are killed:
-    # peers of a failed rank usually block on it.
-    first_failure_at: float | None = None
-    try:
-        while len(results) + len(failures) < nranks:
-            try:
-                rank, ok, value = out.get(timeout=0.1)
-            except queue.Empty:
-                for r, p in enumerate(procs):
-                    if p.exitcode not in (None, 0) and r not in results and r not in failures:
-                        failures[r] = f"process exited with code {p.exitcode} before reporting"
-                now = time.monotonic()
-                if failures and first_failure_at is None:
-                    first_failure_at = now
-                if first_failure_at is not None and now > first_failure_at + 10.0:
-                    break
-                if now > deadline:
-                    missing = [r for r in range(nranks) if r not in results and r not in failures]
-                    raise TimeoutError(f"ranks {missing} of {nranks} did not finish within {timeout:g} s") from None
-                continue
-            if ok:
-                results[rank] = value
-            else:
-                failures.setdefault(rank, value)
-                first_failure_at = first_failure_at or time.monotonic()
-    finally:
-        for p in procs:
-            p.join(timeout=0.5 if failures else 5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if failures:
-        first = min(failures)
-        raise RankError(f"rank {first} of {nranks} failed:\n{failures[first]}")
-    return [results[r] for r in range(nranks)]
-
-
-def _shmem_entry(rank: int, nranks: int, uid: bytes, heap: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-    os.environ.setdefault("MORI_SHMEM_HEAP_SIZE", heap)
-    import mori.shmem as shmem
-
-    shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, rank, nranks, uid)
-    try:
-        return fn(rank, nranks, *args)
-    finally:
-        if shmem.shmem_is_initialized():
-            shmem.shmem_finalize()
+TEST_TIMEOUT_S = 90.0
 
 
 def shmem_ranks(
@@ -114,24 +23,8 @@ def shmem_ranks(
     nranks: int,
     *args: Any,
     heap: str = "64M",
-    timeout: float = 120.0,
+    timeout: float = TEST_TIMEOUT_S,
     env: Mapping[str, str] | None = None,
 ) -> list[Any]:
-    """:func:`run_ranks` with mori.shmem initialised (unique-id bootstrap) around ``fn`` on every rank.
-
-    The unique id is made here, in the test process, which serves the rendezvous store.
-    """
-    import mori.shmem as shmem
-
-    merged = {"MORI_BOOTSTRAP_TIMEOUT": "60", **(env or {})}
-    saved = {k: os.environ.get(k) for k in merged}
-    os.environ.update(merged)  # the store's timeout is read here
-    try:
-        uid = shmem.shmem_get_unique_id()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return run_ranks(_shmem_entry, nranks, uid, heap, fn, args, timeout=timeout, env=merged)
+    """Run ``fn(rank, nranks, *args)`` on ``nranks`` ranks with mori.shmem initialised around it."""
+    return launch.shmem_ranks(fn, nranks, *args, heap=heap, timeout=timeout, env=env)

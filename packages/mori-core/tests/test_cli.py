@@ -1,0 +1,73 @@
+"""The ``mori`` command: backends, env, bench and demo."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mori.core import cli
+
+
+def test_backends_lists_builtins_with_distribution_and_state(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("mori-core ")
+    assert "device runtimes:" in out and "transports:" in out and "nic providers:" in out
+    cpu = next(line for line in out.splitlines() if line.strip().startswith("cpu"))
+    assert "mori-core" in cpu and "available" in cpu
+
+
+def test_env_lists_every_variable_and_flags_invalid_ones(
+    capsys: pytest.CaptureFixture[str], clean_env: pytest.MonkeyPatch
+) -> None:
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    for name in ("MORI_SHMEM_HEAP_SIZE", "MORI_BOOTSTRAP_TIMEOUT", "MORI_NODE_ID", "MORI_DEVICE_RUNTIME"):
+        assert name in out
+    clean_env.setenv("MORI_BOOTSTRAP_TIMEOUT", "-3")
+    assert cli.main(["env"]) == 1
+    assert "MORI_BOOTSTRAP_TIMEOUT='-3'  INVALID" in capsys.readouterr().out
+
+
+def test_bench_without_suite_prints_suites(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench"]) == 2
+    assert "shmem" in capsys.readouterr().out
+
+
+def test_demo_runs_the_ring(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--ranks", "4", "--size", "65536", "--rounds", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "ring verified" in out
+    assert out.count("exact: True") == 4 and out.count("barrier passed") == 4
+
+
+def test_bench_shmem_small_run_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "shmem.json"
+    rc = cli.main(
+        [
+            "bench",
+            "shmem",
+            "--sizes",
+            "8,65536,1048576",
+            "--samples",
+            "3",
+            "--pingpongs",
+            "50",
+            "--json",
+            str(path),
+        ]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert (
+        "put/copy_" in out and "put+signal round trip" in out and "verified byte-exact on PE 1: True" in out
+    )
+    record = json.loads(path.read_text())
+    sizes = [r["size"] for r in record["rows"] if "size" in r]
+    assert sizes == [8, 65536, 1048576]
+    assert all(
+        r["put_gbps"] > 0 and r["copy_gbps"] > 0 and r["ratio"] > 0 for r in record["rows"] if "size" in r
+    )
+    assert record["suite"] == "shmem" and "git_sha" in record and record["config"]["ranks"] == 2

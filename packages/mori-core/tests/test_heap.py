@@ -1,0 +1,260 @@
+"""The symmetric heap across processes: collective allocation, translation, registration, cleanup."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import mori.shmem as shmem
+from mori.core.backends.cpu import SEGMENT_PREFIX, sweep_stale_segments
+from mori.core.errors import (
+    MoriBackendError,
+    MoriOutOfMemoryError,
+    MoriStateError,
+    MoriTimeoutError,
+    MoriValueError,
+)
+from mori.testing import RankError, run_ranks, shmem_ranks
+
+
+def _offsets(rank: int, nranks: int) -> list[int]:
+    base = shmem.shmem_heap_info()["base"]
+    a = shmem.shmem_malloc(100)
+    b = shmem.shmem_malloc_align(1 << 16, 5000)
+    c = shmem.shmem_ext_malloc_with_flags(1)
+    shmem.shmem_free(a)
+    d = shmem.shmem_malloc(64)  # first fit reuses a's block
+    assert d == a
+    assert a % 256 == 0 and b % (1 << 16) == 0 and c % 256 == 0
+    return [x - base for x in (a, b, c, d)]
+
+
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_malloc_is_symmetric_and_aligned(nranks: int) -> None:
+    offsets = shmem_ranks(_offsets, nranks)
+    assert all(o == offsets[0] for o in offsets)
+
+
+def _ptr_p2p(rank: int, nranks: int) -> list[Any]:
+    import torch
+
+    buf = shmem.shmem_malloc(4096)
+    shmem.shmem_tensor_view(buf, 1024, torch.int32).fill_(rank)
+    shmem.shmem_barrier_all()
+    seen = []
+    for pe in range(nranks):
+        addr = shmem.shmem_ptr_p2p(buf, rank, pe)
+        assert addr != 0
+        assert (addr == buf) == (pe == rank)
+        import ctypes
+
+        seen.append(ctypes.c_int32.from_address(addr + 4 * 100).value)  # loads reach the peer's copy
+    # not in the heap -> 0, as the original
+    assert shmem.shmem_ptr_p2p(12345, rank, 0) == 0
+    assert shmem.shmem_ptr_p2p(buf + 1 << 40, rank, 0) == 0
+    with pytest.raises(MoriValueError, match="dest_pe=99"):
+        shmem.shmem_ptr_p2p(buf, rank, 99)
+    with pytest.raises(MoriValueError, match="my_pe"):
+        shmem.shmem_ptr_p2p(buf, (rank + 1) % nranks, 0)
+    shmem.shmem_barrier_all()
+    return seen
+
+
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_ptr_p2p_reaches_every_peer_on_the_node(nranks: int) -> None:
+    for seen in shmem_ranks(_ptr_p2p, nranks):
+        assert seen == list(range(nranks))
+
+
+def _allocation_errors(rank: int, nranks: int) -> None:
+    info = shmem.shmem_heap_info()
+    with pytest.raises(MoriOutOfMemoryError, match=r"cannot allocate .*raise MORI_SHMEM_HEAP_SIZE"):
+        shmem.shmem_malloc(info["size"])  # more than the user part of the heap
+    with pytest.raises(MoriValueError, match="size=0"):
+        shmem.shmem_malloc(0)
+    with pytest.raises(MoriValueError, match="size=-5"):
+        shmem.shmem_malloc(-5)
+    with pytest.raises(MoriValueError, match="alignment=3"):
+        shmem.shmem_malloc_align(3, 64)
+    with pytest.raises(MoriValueError, match="flags=1"):
+        shmem.shmem_ext_malloc_with_flags(64, 1)
+    a = shmem.shmem_malloc(1024)
+    with pytest.raises(MoriValueError, match=r"not returned by shmem_malloc .*points 8 bytes into the block"):
+        shmem.shmem_free(a + 8)
+    with pytest.raises(MoriValueError, match="not inside the symmetric heap"):
+        shmem.shmem_free(16)  # foreign pointer
+    with pytest.raises(MoriValueError, match="expected an address"):
+        shmem.shmem_free("a")  # type: ignore[arg-type]
+    shmem.shmem_free(a)
+    with pytest.raises(MoriValueError, match="double free"):
+        shmem.shmem_free(a)
+    # the heap still works after all those errors
+    b = shmem.shmem_malloc(1024)
+    assert b == a
+    shmem.shmem_barrier_all()
+
+
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_allocation_errors(nranks: int) -> None:
+    shmem_ranks(_allocation_errors, nranks, heap="4M")
+
+
+def _non_collective_malloc(rank: int, nranks: int) -> str:
+    try:
+        shmem.shmem_malloc(1024 if rank == 0 else 4096)
+    except MoriStateError as e:
+        return str(e)
+    return "no error"
+
+
+def test_non_collective_malloc_is_detected_on_every_pe() -> None:
+    for msg in shmem_ranks(_non_collective_malloc, 2):
+        assert "shmem_malloc is collective" in msg and "size 1024" in msg and "size 4096" in msg
+
+
+def _register(rank: int, nranks: int) -> None:
+    import torch
+
+    t = torch.zeros(1000, dtype=torch.uint8)
+    assert shmem.shmem_buffer_register(t.data_ptr(), 1000) == 0
+    with pytest.raises(MoriValueError, match="overlaps the registered buffer"):
+        shmem.shmem_buffer_register(t.data_ptr() + 10, 10)
+    with pytest.raises(MoriValueError, match="size=0"):
+        shmem.shmem_buffer_register(t.data_ptr(), 0)
+    with pytest.raises(MoriValueError, match="ptr=0"):
+        shmem.shmem_buffer_register(0, 10)
+    # a registered buffer is local only: peers cannot load it
+    assert shmem.shmem_ptr_p2p(t.data_ptr(), rank, (rank + 1) % nranks) == 0
+    with pytest.raises(MoriValueError, match="not a registered buffer"):
+        shmem.shmem_buffer_deregister(t.data_ptr(), 999)
+    assert shmem.shmem_buffer_deregister(t.data_ptr(), 1000) == 0
+    with pytest.raises(MoriValueError, match="not a registered buffer"):
+        shmem.shmem_buffer_deregister(t.data_ptr(), 1000)
+
+
+def test_buffer_register_and_deregister() -> None:
+    shmem_ranks(_register, 2)
+
+
+def test_heap_size_must_be_valid_and_symmetric() -> None:
+    with pytest.raises(RankError, match="MORI_SHMEM_HEAP_SIZE='6X' is not valid"):
+        shmem_ranks(_identity, 2, env={"MORI_SHMEM_HEAP_SIZE": "6X"})
+    uid = shmem.shmem_get_unique_id()
+    for msg in run_ranks(_asymmetric_heap, 2, uid, timeout=60):
+        assert "MORI_SHMEM_HEAP_SIZE differs between ranks" in msg
+    with pytest.raises(RankError, match="MORI_SHMEM_MODE='vmm_heap' is not supported by the cpu runtime"):
+        shmem_ranks(_identity, 2, env={"MORI_SHMEM_MODE": "vmm_heap"})
+
+
+def _identity(rank: int, nranks: int) -> int:
+    return shmem.shmem_mype()
+
+
+def _asymmetric_heap(rank: int, nranks: int, uid: bytes) -> str:
+    os.environ["MORI_SHMEM_HEAP_SIZE"] = "8M" if rank == 0 else "16M"
+    try:
+        shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, rank, nranks, uid)
+    except MoriValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _disable_p2p(rank: int, nranks: int) -> None:
+    buf = shmem.shmem_malloc(64)
+    peer = (rank + 1) % nranks
+    assert shmem.shmem_ptr_p2p(buf, rank, peer) == 0
+    assert shmem.shmem_ptr_p2p(buf, rank, rank) == buf
+    with pytest.raises(MoriBackendError, match=f"PE {peer} .* is not reachable .*MORI_DISABLE_P2P"):
+        shmem.shmem_putmem(buf, buf, 8, peer)
+    shmem.shmem_barrier_all()  # falls back to the bootstrap for unreachable peers
+
+
+def test_unreachable_peer_gives_zero_and_clear_errors() -> None:
+    shmem_ranks(_disable_p2p, 2, env={"MORI_DISABLE_P2P": "1"})
+
+
+def _heap_file_names(rank: int, nranks: int) -> list[str]:
+    shmem.shmem_barrier_all()
+    return sorted(p.name for p in Path("/dev/shm").glob(f"{SEGMENT_PREFIX}*"))
+
+
+def test_segments_are_unlinked_once_every_peer_mapped() -> None:
+    # After init no name is left in /dev/shm: the memory dies with the last process mapping it.
+    assert shmem_ranks(_heap_file_names, 4) == [[]] * 4
+
+
+_KILLED_RANK = """
+import os, sys, time
+import mori.shmem as shmem
+shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, int(sys.argv[1]), 2, bytes.fromhex(sys.argv[2]))
+a = shmem.shmem_malloc(1 << 20)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_killed_ranks_leave_nothing_in_dev_shm(tmp_path: Path, clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("MORI_SHMEM_HEAP_SIZE", "8M")
+    clean_env.setenv("MORI_BOOTSTRAP_TIMEOUT", "30")
+    before = set(os.listdir("/dev/shm"))
+    uid = shmem.shmem_get_unique_id().hex()
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _KILLED_RANK, str(r), uid], stdout=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+    assert set(os.listdir("/dev/shm")) - before == set()
+
+
+def test_stale_segments_of_dead_processes_are_swept() -> None:
+    # A rank killed between creating its segment and the peers' mapping leaves a name behind;
+    # the next job on the node removes it (the owner pid is part of the name).
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    name = f"{SEGMENT_PREFIX}{dead.pid}.feedface.0"
+    Path("/dev/shm", name).write_bytes(b"x")
+    alive = f"{SEGMENT_PREFIX}{os.getpid()}.feedface.1"
+    Path("/dev/shm", alive).write_bytes(b"x")
+    try:
+        removed = sweep_stale_segments()
+        assert name in removed and alive not in removed
+        assert not Path("/dev/shm", name).exists() and Path("/dev/shm", alive).exists()
+    finally:
+        Path("/dev/shm", alive).unlink(missing_ok=True)
+        Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def _slow_barrier(rank: int, nranks: int, uid: bytes) -> str:
+    os.environ.update(MORI_BOOTSTRAP_TIMEOUT="3", MORI_SHMEM_HEAP_SIZE="8M")
+    shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, rank, nranks, uid)
+    if rank == nranks - 1:
+        time.sleep(6)  # longer than the barrier timeout; exits without finalize
+        return "late"
+    try:
+        shmem.shmem_barrier_all()
+    except MoriTimeoutError as e:
+        assert e.missing == [nranks - 1]
+        return str(e)
+    return "passed"
+
+
+def test_barrier_timeout_names_missing_pes() -> None:
+    uid = shmem.shmem_get_unique_id()
+    out = run_ranks(_slow_barrier, 3, uid, timeout=60)
+    for msg in out[:2]:
+        assert "shmem_barrier_all: PEs 2 of 3 did not arrive within 3 s" in msg
