@@ -6,4 +6,5 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "Native helpers of mori-core: POSIX shared-memory segments, host atomics and waits.";
   mori::register_shm_segment(m);
   mori::register_atomics(m);
+  mori::register_copy(m);
 }

@@ -69,7 +69,6 @@ class ShmemContext:
         self.segment: HeapSegment | None = None
         self.peers: list[PeerSegment | None] = [None] * self.n_pes
         self.bases: list[int] = [0] * self.n_pes  # peer heap address in this process, 0 if unreachable
-        self._views: dict[int, torch.Tensor] = {}
         self.allocator = HeapAllocator(layout.USER_OFF, self.heap_size)
         self.registered: dict[int, int] = {}  # addr -> size of shmem_buffer_register'ed host buffers
         self.host_barrier_epoch = 0
@@ -129,7 +128,6 @@ class ShmemContext:
             if seg is not None:
                 seg.close()
         self.peers = [None] * self.n_pes
-        self._views.clear()
         if self.segment is not None:
             self.segment.close()
             self.segment = None
@@ -181,27 +179,19 @@ class ShmemContext:
         off = self.heap_offset(func, arg, addr, nbytes)
         return self.peer_base(func, pe) + off
 
-    def local_view(self, func: str, arg: str, addr: Any, nbytes: int) -> torch.Tensor:
-        """uint8 view of local memory that is in the heap or in a registered buffer."""
+    def local_addr(self, func: str, arg: str, addr: Any, nbytes: int) -> int:
+        """Validate that ``[addr, addr+nbytes)`` is local memory in the heap or a registered buffer."""
         if isinstance(addr, int) and not isinstance(addr, bool):
             off = addr - self.base
-            if off >= layout.USER_OFF and off + nbytes <= self.heap_size:
-                return self.heap_view(self.my_pe)[off : off + nbytes]
+            if layout.USER_OFF <= off and off + nbytes <= self.heap_size:
+                return addr
             for start, size in self.registered.items():
                 if start <= addr and addr + nbytes <= start + size:
-                    return byte_view(addr, nbytes)
+                    return addr
         raise MoriValueError(
             f"{func}: {arg}={addr!r} (+{nbytes} bytes) is neither symmetric heap memory nor inside a buffer "
             f"registered with shmem_buffer_register"
         )
-
-    def heap_view(self, pe: int) -> torch.Tensor:
-        """uint8 tensor over PE ``pe``'s whole heap as mapped in this process (cached)."""
-        view = self._views.get(pe)
-        if view is None:
-            view = byte_view(self.peer_base("heap_view", pe), self.heap_size)
-            self._views[pe] = view
-        return view
 
     # -- host barrier -------------------------------------------------------------------------------
 

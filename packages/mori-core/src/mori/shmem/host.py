@@ -13,7 +13,7 @@ from typing import Any
 
 from mori.core import _core
 from mori.core.errors import MoriTimeoutError, MoriValueError, bad_value
-from mori.shmem.context import current
+from mori.shmem.context import byte_view, current
 
 #: signal operations for shmem_putmem_signal / shmem_signal_op (values as in the original)
 SIGNAL_SET = 9
@@ -46,12 +46,16 @@ def _nbytes(func: str, nbytes: Any) -> int:
     return nbytes
 
 
-def _copy(dst: Any, src: Any) -> None:
-    # torch's copy releases the GIL and runs vectorised on all intra-op threads; a put from a PE's
-    # heap into the same PE's overlapping range needs memmove semantics, hence the clone.
-    if dst.data_ptr() < src.data_ptr() + src.numel() and src.data_ptr() < dst.data_ptr() + dst.numel():
-        src = src.clone()
-    dst.copy_(src)
+# Below this size a native memmove beats a torch dispatch; above it torch's copy wins by running
+# on every intra-op thread.
+_NATIVE_COPY_MAX = 256 << 10
+
+
+def _copy(dst: int, src: int, nbytes: int) -> None:
+    if nbytes <= _NATIVE_COPY_MAX or abs(dst - src) < nbytes:  # overlap needs memmove semantics
+        _core.copy(dst, src, nbytes)
+    else:
+        byte_view(dst, nbytes).copy_(byte_view(src, nbytes))  # releases the GIL
 
 
 def shmem_putmem(dest: int, source: int, nbytes: int, pe: int) -> None:
@@ -60,9 +64,7 @@ def shmem_putmem(dest: int, source: int, nbytes: int, pe: int) -> None:
     ctx = current(func)
     ctx.check_pe(func, pe)
     n = _nbytes(func, nbytes)
-    off = ctx.heap_offset(func, "dest", dest, n)
-    src = ctx.local_view(func, "source", source, n)
-    _copy(ctx.heap_view(pe)[off : off + n], src)
+    _copy(ctx.remote_addr(func, "dest", dest, n, pe), ctx.local_addr(func, "source", source, n), n)
 
 
 def shmem_getmem(dest: int, source: int, nbytes: int, pe: int) -> None:
@@ -71,9 +73,7 @@ def shmem_getmem(dest: int, source: int, nbytes: int, pe: int) -> None:
     ctx = current(func)
     ctx.check_pe(func, pe)
     n = _nbytes(func, nbytes)
-    off = ctx.heap_offset(func, "source", source, n)
-    dst = ctx.local_view(func, "dest", dest, n)
-    _copy(dst, ctx.heap_view(pe)[off : off + n])
+    _copy(ctx.local_addr(func, "dest", dest, n), ctx.remote_addr(func, "source", source, n, pe), n)
 
 
 def shmem_putmem_signal(
