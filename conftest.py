@@ -17,16 +17,25 @@ sys.path.insert(0, str(Path(__file__).parent))
 SHM_DIR = Path("/dev/shm")
 
 
-def _heap_segments() -> set[str]:
-    return {p.name for p in SHM_DIR.glob("mori-heap.*")} if SHM_DIR.is_dir() else set()
+def _orphaned_heap_segments() -> set[str]:
+    """Heap segments whose owner process is gone: nobody will ever unlink them (leaks).
+
+    Segments of live processes are left out: another job may legitimately be running.
+    """
+    orphans = set()
+    for path in SHM_DIR.glob("mori-heap.*") if SHM_DIR.is_dir() else ():
+        pid = path.name.split(".")[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            orphans.add(path.name)
+    return orphans
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_shared_memory_leaks() -> Iterator[None]:
-    """Fails the session if any heap segment is left in /dev/shm once every test has run."""
-    before = _heap_segments()
+    """Fails the session if the test suite left heap segments in /dev/shm."""
+    before = _orphaned_heap_segments()
     yield
-    leaked = _heap_segments() - before
+    leaked = _orphaned_heap_segments() - before
     assert not leaked, f"shared-memory heap segments leaked by the test suite: {sorted(leaked)}"
 
 

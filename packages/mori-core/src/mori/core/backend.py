@@ -9,8 +9,21 @@ family of network cards. Plugins return instances of these classes from the hook
 
 from __future__ import annotations
 
+import ctypes
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# Codes shared by every runtime's host-access methods (and by the native module mori.core._core).
+#: atomic read-modify-write operations
+OP_FETCH, OP_SET, OP_ADD, OP_SWAP, OP_AND, OP_OR, OP_XOR = range(7)
+#: comparisons for wait_until: ==, !=, >, >=, <, <=
+CMP_EQ, CMP_NE, CMP_GT, CMP_GE, CMP_LT, CMP_LE = range(6)
+#: atomic word types
+WORD_INT32, WORD_UINT32, WORD_INT64, WORD_UINT64 = range(4)
 
 
 @dataclass(frozen=True)
@@ -83,6 +96,78 @@ class DeviceRuntime(ABC):
     @abstractmethod
     def open_peer_segment(self, peer: PeerInfo) -> PeerSegment:
         """Map a peer's segment (same runtime, same node) into this process."""
+
+    # -- how the host touches heap memory; every address is one this process has mapped ---------
+
+    @abstractmethod
+    def byte_view(self, addr: int, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of ``nbytes`` at ``addr`` on :attr:`torch_device` (no copy)."""
+
+    @abstractmethod
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy bytes (ranges may overlap); complete and visible to peers when it returns."""
+
+    @abstractmethod
+    def atomic_rmw(self, addr: int, op: int, word: int, value: int) -> int:
+        """Sequentially consistent ``OP_*`` on the ``WORD_*`` at ``addr``; returns the old value."""
+
+    @abstractmethod
+    def atomic_compare_swap(self, addr: int, word: int, expected: int, desired: int) -> int:
+        """Replace the word with ``desired`` if it equals ``expected``; returns the value found."""
+
+    @abstractmethod
+    def wait_until(self, addr: int, cmp: int, word: int, value: int, timeout_s: float) -> tuple[bool, int]:
+        """Block until ``word <CMP_*> value`` or ``timeout_s`` passes (< 0: forever); returns
+        ``(reached, last value seen)``. Must not hold the GIL while it waits."""
+
+    @abstractmethod
+    def fence(self) -> None:
+        """Order every earlier store of this process before every later one, for all observers."""
+
+
+class HostMemoryRuntime(DeviceRuntime):
+    """Base for runtimes whose heap is ordinary host memory: host access through native code."""
+
+    torch_device = "cpu"
+
+    def byte_view(self, addr: int, nbytes: int) -> torch.Tensor:
+        import torch
+
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8, count=nbytes)
+
+    # Below this size a native memmove beats a torch dispatch; above it torch's copy wins by
+    # running on every intra-op thread.
+    NATIVE_COPY_MAX = 256 << 10
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        from mori.core import _core
+
+        if nbytes <= self.NATIVE_COPY_MAX or abs(dst - src) < nbytes:  # overlap needs memmove
+            _core.copy(dst, src, nbytes)
+        else:
+            self.byte_view(dst, nbytes).copy_(self.byte_view(src, nbytes))  # releases the GIL
+
+    def atomic_rmw(self, addr: int, op: int, word: int, value: int) -> int:
+        from mori.core import _core
+
+        return _core.atomic_rmw(addr, op, word, value)
+
+    def atomic_compare_swap(self, addr: int, word: int, expected: int, desired: int) -> int:
+        from mori.core import _core
+
+        return _core.atomic_compare_swap(addr, word, expected, desired)
+
+    def wait_until(self, addr: int, cmp: int, word: int, value: int, timeout_s: float) -> tuple[bool, int]:
+        from mori.core import _core
+
+        return _core.wait_until(addr, cmp, word, value, timeout_s)
+
+    def fence(self) -> None:
+        from mori.core import _core
+
+        _core.fence()
 
 
 class Transport(ABC):

@@ -6,7 +6,6 @@ and ``shmem_finalize`` destroys it, after which a new init works.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import socket
@@ -14,8 +13,18 @@ import threading
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from mori.core import _core, env
-from mori.core.backend import DeviceRuntime, HeapSegment, PeerInfo, PeerSegment, Transport
+from mori.core import env
+from mori.core.backend import (
+    CMP_GE,
+    OP_FETCH,
+    OP_SET,
+    WORD_INT64,
+    DeviceRuntime,
+    HeapSegment,
+    PeerInfo,
+    PeerSegment,
+    Transport,
+)
 from mori.core.bootstrap import StoreBootstrap
 from mori.core.errors import (
     MoriBackendError,
@@ -30,9 +39,7 @@ from mori.shmem import layout
 from mori.shmem.heap import HeapAllocator
 
 if TYPE_CHECKING:
-    import torch
-
-WORD_INT64 = 2  # mori.core._core word code
+    pass
 
 
 class ShmemContext:
@@ -183,7 +190,7 @@ class ShmemContext:
         """Validate that ``[addr, addr+nbytes)`` is local memory in the heap or a registered buffer."""
         if isinstance(addr, int) and not isinstance(addr, bool):
             off = addr - self.base
-            if layout.USER_OFF <= off and off + nbytes <= self.heap_size:
+            if off >= layout.USER_OFF and off + nbytes <= self.heap_size:
                 return addr
             for start, size in self.registered.items():
                 if start <= addr and addr + nbytes <= start + size:
@@ -202,10 +209,10 @@ class ShmemContext:
             epoch = self.host_barrier_epoch
             slot = layout.HOST_BARRIER_OFF + self.my_pe * layout.SLOT_BYTES
             unreachable = [p for p in range(self.n_pes) if self.bases[p] == 0]
-            _core.fence()
+            self.runtime.fence()
             for p in range(self.n_pes):
                 if self.bases[p]:
-                    _core.atomic_rmw(self.bases[p] + slot, 1, WORD_INT64, epoch)  # set
+                    self.runtime.atomic_rmw(self.bases[p] + slot, OP_SET, WORD_INT64, epoch)
             if unreachable:
                 self.bootstrap.barrier(what=what)
             deadline = _now() + self.timeout_s
@@ -213,13 +220,15 @@ class ShmemContext:
                 if not self.bases[p]:
                     continue
                 addr = self.base + layout.HOST_BARRIER_OFF + p * layout.SLOT_BYTES
-                ok, _ = _core.wait_until(addr, 3, WORD_INT64, epoch, max(0.0, deadline - _now()))  # ge
+                ok, _ = self.runtime.wait_until(addr, CMP_GE, WORD_INT64, epoch, max(0.0, deadline - _now()))
                 if not ok:
                     late = [
                         q
                         for q in range(self.n_pes)
                         if self.bases[q]
-                        and _core.atomic_rmw(self.base + layout.HOST_BARRIER_OFF + q * 8, 0, WORD_INT64, 0)
+                        and self.runtime.atomic_rmw(
+                            self.base + layout.HOST_BARRIER_OFF + q * 8, OP_FETCH, WORD_INT64, 0
+                        )
                         < epoch
                     ]
                     raise MoriTimeoutError(
@@ -234,14 +243,17 @@ class ShmemContext:
         seq = self.call_seq
         rec = layout.CALL_RECORD_OFF + (seq % 2) * layout.CALL_RECORD_WORDS * layout.SLOT_BYTES
         for i, v in enumerate((seq, kind, offset, size)):
-            _core.atomic_rmw(self.base + rec + 8 * i, 1, WORD_INT64, v)
+            self.runtime.atomic_rmw(self.base + rec + 8 * i, OP_SET, WORD_INT64, v)
         self.barrier_all(what=func)
         mine = (seq, kind, offset, size)
         differ: dict[int, tuple[int, ...]] = {}
         for p in range(self.n_pes):
             if p == self.my_pe or not self.bases[p]:
                 continue
-            theirs = tuple(_core.atomic_rmw(self.bases[p] + rec + 8 * i, 0, WORD_INT64, 0) for i in range(4))
+            theirs = tuple(
+                self.runtime.atomic_rmw(self.bases[p] + rec + 8 * i, OP_FETCH, WORD_INT64, 0)
+                for i in range(4)
+            )
             if theirs != mine:
                 differ[p] = theirs
         if differ:
@@ -254,16 +266,6 @@ class ShmemContext:
                 f"{func} is collective: every PE must make the same calls in the same order. This PE "
                 f"{self.my_pe}: call #{seq} {names.get(kind, '?')} offset {offset:#x} size {size}; {detail}"
             )
-
-
-def byte_view(addr: int, nbytes: int) -> torch.Tensor:
-    """A CPU uint8 tensor over raw memory (no copy). The memory must outlive the tensor."""
-    import torch
-
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    buf = (ctypes.c_uint8 * nbytes).from_address(addr)
-    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
 
 
 def _now() -> float:

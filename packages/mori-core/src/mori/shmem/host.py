@@ -11,9 +11,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from mori.core import _core
+from mori.core.backend import (
+    OP_ADD,
+    OP_FETCH,
+    OP_SET,
+    OP_SWAP,
+    WORD_INT32,
+    WORD_INT64,
+    WORD_UINT32,
+    WORD_UINT64,
+)
 from mori.core.errors import MoriTimeoutError, MoriValueError, bad_value
-from mori.shmem.context import byte_view, current
+from mori.shmem.context import current
 
 #: signal operations for shmem_putmem_signal / shmem_signal_op (values as in the original)
 SIGNAL_SET = 9
@@ -28,9 +37,13 @@ SHMEM_CMP_LT = 4
 SHMEM_CMP_LE = 5
 
 _CMP_NAMES = {0: "==", 1: "!=", 2: ">", 3: ">=", 4: "<", 5: "<="}
-# word codes of mori.core._core and their sizes
-_WORDS = {"int32": (0, 4), "uint32": (1, 4), "int64": (2, 8), "uint64": (3, 8)}
-_OP_FETCH, _OP_SET, _OP_ADD, _OP_SWAP = 0, 1, 2, 3
+# word codes of the runtime's host-access methods, and their sizes
+_WORDS = {
+    "int32": (WORD_INT32, 4),
+    "uint32": (WORD_UINT32, 4),
+    "int64": (WORD_INT64, 8),
+    "uint64": (WORD_UINT64, 8),
+}
 
 
 def _word(func: str, dtype: Any) -> tuple[int, int]:
@@ -46,25 +59,13 @@ def _nbytes(func: str, nbytes: Any) -> int:
     return nbytes
 
 
-# Below this size a native memmove beats a torch dispatch; above it torch's copy wins by running
-# on every intra-op thread.
-_NATIVE_COPY_MAX = 256 << 10
-
-
-def _copy(dst: int, src: int, nbytes: int) -> None:
-    if nbytes <= _NATIVE_COPY_MAX or abs(dst - src) < nbytes:  # overlap needs memmove semantics
-        _core.copy(dst, src, nbytes)
-    else:
-        byte_view(dst, nbytes).copy_(byte_view(src, nbytes))  # releases the GIL
-
-
 def shmem_putmem(dest: int, source: int, nbytes: int, pe: int) -> None:
     """Copy ``nbytes`` from local ``source`` (heap or registered buffer) to ``dest`` on PE ``pe``."""
     func = "shmem_putmem"
     ctx = current(func)
     ctx.check_pe(func, pe)
     n = _nbytes(func, nbytes)
-    _copy(ctx.remote_addr(func, "dest", dest, n, pe), ctx.local_addr(func, "source", source, n), n)
+    ctx.runtime.copy(ctx.remote_addr(func, "dest", dest, n, pe), ctx.local_addr(func, "source", source, n), n)
 
 
 def shmem_getmem(dest: int, source: int, nbytes: int, pe: int) -> None:
@@ -73,7 +74,7 @@ def shmem_getmem(dest: int, source: int, nbytes: int, pe: int) -> None:
     ctx = current(func)
     ctx.check_pe(func, pe)
     n = _nbytes(func, nbytes)
-    _copy(ctx.local_addr(func, "dest", dest, n), ctx.remote_addr(func, "source", source, n, pe), n)
+    ctx.runtime.copy(ctx.local_addr(func, "dest", dest, n), ctx.remote_addr(func, "source", source, n, pe), n)
 
 
 def shmem_putmem_signal(
@@ -86,7 +87,7 @@ def shmem_putmem_signal(
     func = "shmem_putmem_signal"
     _check_sig_op(func, sig_op)
     shmem_putmem(dest, source, nbytes, pe)
-    _core.fence()
+    current(func).runtime.fence()
     shmem_signal_op(sig_addr, signal, sig_op, pe)
 
 
@@ -94,12 +95,12 @@ def shmem_signal_op(sig_addr: int, signal: int, sig_op: int, pe: int) -> None:
     """Update the uint64 signal word ``sig_addr`` on PE ``pe``: set (SIGNAL_SET) or add (SIGNAL_ADD)."""
     func = "shmem_signal_op"
     _check_sig_op(func, sig_op)
-    _amo(func, sig_addr, pe, _OP_SET if sig_op == SIGNAL_SET else _OP_ADD, signal, "uint64")
+    _amo(func, sig_addr, pe, OP_SET if sig_op == SIGNAL_SET else OP_ADD, signal, "uint64")
 
 
 def shmem_signal_fetch(sig_addr: int) -> int:
     """Read this PE's uint64 signal word ``sig_addr``."""
-    return _amo("shmem_signal_fetch", sig_addr, current("shmem_signal_fetch").my_pe, _OP_FETCH, 0, "uint64")
+    return _amo("shmem_signal_fetch", sig_addr, current("shmem_signal_fetch").my_pe, OP_FETCH, 0, "uint64")
 
 
 def _check_sig_op(func: str, sig_op: Any) -> None:
@@ -115,34 +116,34 @@ def _amo(func: str, dest: int, pe: int, op: int, value: int, dtype: Any) -> int:
         raise bad_value(func, "value", value, f"an int that fits {dtype}")
     addr = ctx.remote_addr(func, "dest", dest, size, pe)
     try:
-        return int(_core.atomic_rmw(addr, op, code, value))
+        return int(ctx.runtime.atomic_rmw(addr, op, code, value))
     except (ValueError, OverflowError, TypeError) as e:
         raise MoriValueError(f"{func}: {e} (dest={dest:#x}, value={value}, dtype={dtype})") from None
 
 
 def shmem_atomic_fetch(dest: int, pe: int, *, dtype: Any = "int64") -> int:
     """Atomically read the word at ``dest`` on ``pe``."""
-    return _amo("shmem_atomic_fetch", dest, pe, _OP_FETCH, 0, dtype)
+    return _amo("shmem_atomic_fetch", dest, pe, OP_FETCH, 0, dtype)
 
 
 def shmem_atomic_set(dest: int, value: int, pe: int, *, dtype: Any = "int64") -> None:
     """Atomically store ``value`` at ``dest`` on ``pe``."""
-    _amo("shmem_atomic_set", dest, pe, _OP_SET, value, dtype)
+    _amo("shmem_atomic_set", dest, pe, OP_SET, value, dtype)
 
 
 def shmem_atomic_add(dest: int, value: int, pe: int, *, dtype: Any = "int64") -> None:
     """Atomically add ``value`` to the word at ``dest`` on ``pe`` (wraps on overflow)."""
-    _amo("shmem_atomic_add", dest, pe, _OP_ADD, value, dtype)
+    _amo("shmem_atomic_add", dest, pe, OP_ADD, value, dtype)
 
 
 def shmem_atomic_fetch_add(dest: int, value: int, pe: int, *, dtype: Any = "int64") -> int:
     """Atomically add ``value`` at ``dest`` on ``pe``; return the previous value."""
-    return _amo("shmem_atomic_fetch_add", dest, pe, _OP_ADD, value, dtype)
+    return _amo("shmem_atomic_fetch_add", dest, pe, OP_ADD, value, dtype)
 
 
 def shmem_atomic_swap(dest: int, value: int, pe: int, *, dtype: Any = "int64") -> int:
     """Atomically replace the word at ``dest`` on ``pe`` with ``value``; return the previous value."""
-    return _amo("shmem_atomic_swap", dest, pe, _OP_SWAP, value, dtype)
+    return _amo("shmem_atomic_swap", dest, pe, OP_SWAP, value, dtype)
 
 
 def shmem_atomic_compare_swap(dest: int, cond: int, value: int, pe: int, *, dtype: Any = "int64") -> int:
@@ -154,7 +155,7 @@ def shmem_atomic_compare_swap(dest: int, cond: int, value: int, pe: int, *, dtyp
     code, size = _word(func, dtype)
     addr = ctx.remote_addr(func, "dest", dest, size, pe)
     try:
-        return int(_core.atomic_compare_swap(addr, code, cond, value))
+        return int(ctx.runtime.atomic_compare_swap(addr, code, cond, value))
     except (ValueError, OverflowError, TypeError) as e:
         raise MoriValueError(
             f"{func}: {e} (dest={dest:#x}, cond={cond}, value={value}, dtype={dtype})"
@@ -178,7 +179,7 @@ def shmem_wait_until(
     addr = ctx.remote_addr(func, "ivar", ivar, size, ctx.my_pe)
     limit = ctx.timeout_s if timeout is None else float(timeout)
     try:
-        ok, last = _core.wait_until(addr, cmp, code, value, limit)
+        ok, last = ctx.runtime.wait_until(addr, cmp, code, value, limit)
     except (ValueError, OverflowError, TypeError) as e:
         raise MoriValueError(f"{func}: {e} (ivar={ivar:#x}, value={value}, dtype={dtype})") from None
     if not ok:
@@ -191,12 +192,10 @@ def shmem_wait_until(
 
 def shmem_fence() -> None:
     """Order this PE's puts: those before reach their targets before those after."""
-    current("shmem_fence")
-    _core.fence()
+    current("shmem_fence").runtime.fence()
 
 
 def shmem_quiet() -> None:
     """Complete every outstanding put and atomic of this PE (host transfers are already complete
     at return; this is the memory barrier that makes them visible)."""
-    current("shmem_quiet")
-    _core.fence()
+    current("shmem_quiet").runtime.fence()

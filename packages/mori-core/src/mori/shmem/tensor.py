@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from mori.core.errors import MoriValueError, bad_type, bad_value
 from mori.shmem import api
-from mori.shmem.context import byte_view, current
+from mori.shmem.context import current
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +40,7 @@ def shmem_tensor_view(
     nbytes = math.prod(dims) * dtype.itemsize
     target = ctx.my_pe if pe is None else ctx.check_pe(func, pe)
     raw = ctx.remote_addr(func, "addr", addr, nbytes, target)
-    t = byte_view(raw, nbytes).view(dtype).view(dims)
+    t = ctx.runtime.byte_view(raw, nbytes).view(dtype).view(dims)
     t.__symm_tensor__ = True  # type: ignore[attr-defined]
     return t
 
@@ -80,7 +80,7 @@ def symm_mori_shmem_tensor(tensor: torch.Tensor, peer: int) -> torch.Tensor:
     raw = ctx.remote_addr(func, "tensor", tensor.data_ptr(), nbytes, peer)
     import torch
 
-    base = byte_view(raw, nbytes).view(tensor.dtype)
+    base = ctx.runtime.byte_view(raw, nbytes).view(tensor.dtype)
     t = torch.as_strided(base, tensor.shape, tensor.stride())
     t.__symm_tensor__ = True  # type: ignore[attr-defined]
     return t

@@ -6,7 +6,14 @@ import os
 from collections.abc import Sequence
 
 from mori.core import _core
-from mori.core.backend import Availability, DeviceRuntime, HeapSegment, PeerInfo, PeerSegment
+from mori.core.backend import (
+    Availability,
+    DeviceRuntime,
+    HeapSegment,
+    HostMemoryRuntime,
+    PeerInfo,
+    PeerSegment,
+)
 from mori.core.plugins import hookimpl
 
 SEGMENT_PREFIX = "mori-heap."
@@ -73,11 +80,10 @@ class MappedPeerSegment(PeerSegment):
             self.addr = 0
 
 
-class CpuRuntime(DeviceRuntime):
+class CpuRuntime(HostMemoryRuntime):
     name = "cpu"
     description = "host memory; the symmetric heap lives in POSIX shared memory (/dev/shm)"
     priority = 0
-    torch_device = "cpu"
 
     def probe(self) -> Availability:
         if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK):
