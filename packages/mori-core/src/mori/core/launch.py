@@ -109,9 +109,17 @@ def run_ranks(
 
 
 def _shmem_entry(
-    rank: int, nranks: int, uid: bytes, heap: str, fn: Callable[..., Any], args: tuple[Any, ...]
+    rank: int,
+    nranks: int,
+    uid: bytes,
+    heap: str,
+    before_init: Callable[[int, int], None] | None,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
 ) -> Any:
     os.environ.setdefault("MORI_SHMEM_HEAP_SIZE", heap)
+    if before_init is not None:
+        before_init(rank, nranks)
     import mori.shmem as shmem
 
     shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, rank, nranks, uid)
@@ -129,11 +137,13 @@ def shmem_ranks(
     heap: str = "64M",
     timeout: float = 120.0,
     env: Mapping[str, str] | None = None,
+    before_init: Callable[[int, int], None] | None = None,
 ) -> list[Any]:
     """:func:`run_ranks` with mori.shmem initialised (unique-id bootstrap) around ``fn`` on every rank.
 
     The unique id is made here, in the calling process, which serves the rendezvous store.
     ``heap`` is the per-rank heap size unless ``MORI_SHMEM_HEAP_SIZE`` is set in ``env``.
+    ``before_init(rank, nranks)``, if given, runs on each rank first (e.g. to pick its GPU).
     """
     import mori.shmem as shmem
 
@@ -149,4 +159,4 @@ def shmem_ranks(
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    return run_ranks(_shmem_entry, nranks, uid, heap, fn, args, timeout=timeout, env=merged)
+    return run_ranks(_shmem_entry, nranks, uid, heap, before_init, fn, args, timeout=timeout, env=merged)

@@ -25,6 +25,10 @@ def shmem_ranks(
     heap: str = "64M",
     timeout: float = TEST_TIMEOUT_S,
     env: Mapping[str, str] | None = None,
+    before_init: Callable[[int, int], None] | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, nranks, *args)`` on ``nranks`` ranks with mori.shmem initialised around it."""
-    return launch.shmem_ranks(fn, nranks, *args, heap=heap, timeout=timeout, env=env)
+    """Run ``fn(rank, nranks, *args)`` on ``nranks`` ranks with mori.shmem initialised around it.
+
+    ``before_init(rank, nranks)`` runs on each rank before init (e.g. ``torch.cuda.set_device``).
+    """
+    return launch.shmem_ranks(fn, nranks, *args, heap=heap, timeout=timeout, env=env, before_init=before_init)
