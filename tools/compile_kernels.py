@@ -1,0 +1,506 @@
+#!/usr/bin/env python3
+"""Compile every Triton kernel of the repo ahead of time for every GPU target (``nox -s kernels``).
+
+Needs the Triton wheel (and torch, which the kernel modules import), no GPU and no CUDA torch:
+``triton.compile`` with an explicit target runs entirely on the CPU.
+
+Discovery, built so that a kernel cannot be skipped silently:
+
+1. every ``*.py`` under ``packages/``, ``backends/`` and ``tests/`` (build trees and caches
+   excluded) that mentions ``jit`` is parsed, and every function decorated with ``triton.jit``,
+   ``jit``, ``triton.autotune`` or ``triton.heuristics`` is listed, nested ones included;
+2. the module is imported (by its dotted name under a ``src/`` directory, else from its path),
+   and every module-level Triton function defined in it is added (``k = triton.jit(f)`` too);
+3. each function must be either a device function (``@device_function`` from
+   :mod:`mori.core.kernels`: compiled through the kernels that call it) or a kernel with at least
+   one ``@aot(...)`` variant naming every argument; anything else, a decorated function that is
+   not reachable at module level, or a module that fails to import is an error;
+4. the kernels' call graph (calls by module-level name, followed through device functions) must
+   reach every device function: one that no kernel calls would never be compiled, so it is an
+   error too.
+
+Every variant of every kernel is compiled for each target (a fresh Triton cache unless
+``--cache``), a table kernel x target is printed, and the exit status is 1 if anything failed.
+
+    python tools/compile_kernels.py                        # all four targets
+    python tools/compile_kernels.py --targets cuda:90,hip:gfx942 -j 4 --out build/kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import importlib.util
+import os
+import re
+import sys
+import tempfile
+import textwrap
+import time
+import traceback
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Must be unset before triton is imported: under the interpreter triton.jit makes functions that
+# cannot be compiled.
+os.environ.pop("TRITON_INTERPRET", None)
+
+ROOT = Path(__file__).resolve().parent.parent
+SEARCH_DIRS = ("packages", "backends", "tests")
+SKIP_DIRS = {
+    ".git",
+    ".nox",
+    ".venv",
+    "venv",
+    "build",
+    "dist",
+    "__pycache__",
+    "_build",
+    "node_modules",
+    ".tox",
+}
+JIT_DECORATORS = {"jit", "autotune", "heuristics"}
+
+#: name -> (backend, arch, warp size) as GPUTarget takes them
+TARGETS: dict[str, tuple[str, int | str, int]] = {
+    "cuda:90": ("cuda", 90, 32),
+    "cuda:100": ("cuda", 100, 32),
+    "hip:gfx942": ("hip", "gfx942", 64),
+    "hip:gfx950": ("hip", "gfx950", 64),
+}
+
+
+@dataclass
+class Found:
+    """A Triton function found by discovery, with what was decided about it."""
+
+    module: str  # dotted name (or the synthetic one of a file imported by path)
+    path: Path
+    name: str
+    line: int
+    kind: str = "?"  # kernel / device / error
+    error: str = ""
+    variants: list[Any] = field(default_factory=list)  # AotSpec
+    jit: Any = None  # the JITFunction
+    callers: int = 0  # device functions: how many kernels reach it
+
+
+@dataclass(frozen=True)
+class Task:
+    module: str
+    path: str
+    name: str
+    variant: int
+    target: str
+
+
+# -- discovery ----------------------------------------------------------------------------------------
+
+
+def python_files(root: Path) -> Iterator[Path]:
+    for top in SEARCH_DIRS:
+        base = root / top
+        if not base.is_dir():
+            continue
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info"))
+            for f in sorted(filenames):
+                if f.endswith(".py"):
+                    yield Path(dirpath) / f
+
+
+def _decorator_name(node: ast.expr) -> str:
+    if isinstance(node, ast.Call):
+        node = node.func
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Name):
+        return node.id
+    return ""
+
+
+def jit_functions(source: str, path: Path) -> list[tuple[str, int, bool]]:
+    """(name, line, at module level) of every function with a Triton decorator."""
+    tree = ast.parse(source, filename=str(path))
+    out: list[tuple[str, int, bool]] = []
+    top = {id(n) for n in tree.body}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+            _decorator_name(d) in JIT_DECORATORS for d in node.decorator_list
+        ):
+            out.append((node.name, node.lineno, id(node) in top))
+    return out
+
+
+def module_name(path: Path) -> str | None:
+    """Dotted module name if the file lives under a ``src/`` directory, else None."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    if "src" not in parts:
+        return None
+    rest = list(parts[parts.index("src") + 1 :])
+    if rest and rest[-1] == "__init__":
+        rest.pop()
+    return ".".join(rest) or None
+
+
+def import_file(path: Path) -> Any:
+    name = module_name(path)
+    if name is not None:
+        return importlib.import_module(name)
+    # tests and scripts: import by path, under a name that cannot clash with a real module
+    rel = path.relative_to(ROOT).with_suffix("")
+    synthetic = "_mori_kernels_." + ".".join(p.replace("-", "_") for p in rel.parts)
+    if synthetic in sys.modules:
+        return sys.modules[synthetic]
+    spec = importlib.util.spec_from_file_location(synthetic, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[synthetic] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[synthetic]
+        raise
+    return module
+
+
+def _triton_function(obj: Any) -> Any:
+    """The JITFunction inside ``obj`` (itself, or under autotune/heuristics), or None."""
+    from triton.runtime.jit import JITFunction
+
+    for _ in range(8):
+        if isinstance(obj, JITFunction):
+            return obj
+        obj = getattr(obj, "fn", None)
+        if obj is None:
+            return None
+    return None
+
+
+def _python_function(jit: Any) -> Any:
+    return getattr(jit, "fn", None)
+
+
+def classify(found: Found, obj: Any, *, decorated: bool = True) -> None:
+    from mori.core.kernels import aot_specs, is_device_function
+
+    jit = _triton_function(obj)
+    if jit is None:
+        found.kind, found.error = (
+            "error",
+            "decorated with triton but the module attribute is not a Triton function",
+        )
+        return
+    found.jit = jit
+    fn = _python_function(jit)
+    if decorated and fn is not None and fn.__name__ != found.name:
+        found.kind, found.error = (
+            "error",
+            f"module attribute {found.name!r} is another function ({fn.__name__})",
+        )
+        return
+    device, specs = is_device_function(obj), aot_specs(obj)
+    if device and specs:
+        found.kind, found.error = "error", "marked both @device_function and @aot: pick one"
+    elif device:
+        found.kind = "device"
+    elif specs:
+        found.kind, found.variants = "kernel", specs
+        bad = [check_spec(jit, s) for s in specs]
+        if any(bad):
+            found.kind, found.error = "error", "; ".join(b for b in bad if b)
+    else:
+        found.kind = "error"
+        found.error = (
+            "no AOT variants: add @aot(signature=..., constexprs=...) above @triton.jit, or mark "
+            "a function that is only called from kernels with @device_function (mori.core.kernels)"
+        )
+
+
+def check_spec(jit: Any, spec: Any) -> str:
+    """Empty if the variant names every argument of the kernel exactly once, else the problem."""
+    import inspect
+
+    params = inspect.signature(jit.fn).parameters
+    constexpr = {n for n, p in params.items() if "constexpr" in str(p.annotation)}
+    runtime = [n for n in params if n not in constexpr]
+    problems = []
+    missing = [n for n in runtime if n not in spec.signature]
+    missing += [
+        n for n in constexpr if n not in spec.constexprs and params[n].default is inspect.Parameter.empty
+    ]
+    extra = [n for n in [*spec.signature, *spec.constexprs] if n not in params]
+    wrong = [n for n in spec.signature if n in constexpr] + [n for n in spec.constexprs if n in runtime]
+    bad_align = [n for n in spec.aligned if n not in spec.signature]
+    if missing:
+        problems.append(f"variant {spec.describe()!r} lacks {missing}")
+    if extra:
+        problems.append(f"variant {spec.describe()!r} names unknown arguments {extra}")
+    if wrong:
+        problems.append(f"variant {spec.describe()!r}: {wrong} in the wrong group (signature vs constexprs)")
+    if bad_align:
+        problems.append(f"variant {spec.describe()!r}: aligned names {bad_align}, not in the signature")
+    return "; ".join(problems)
+
+
+def discover(root: Path) -> tuple[list[Found], list[str]]:
+    """Every Triton function in the repo, classified; and errors that belong to no function."""
+    found: list[Found] = []
+    errors: list[str] = []
+    for path in python_files(root):
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            errors.append(f"{path.relative_to(root)}: cannot read: {e}")
+            continue
+        if "jit" not in source:
+            continue
+        try:
+            decorated = jit_functions(source, path)
+        except SyntaxError as e:
+            errors.append(f"{path.relative_to(root)}: syntax error: {e}")
+            continue
+        if not decorated and not re.search(
+            r"\btriton\.jit\s*\(|\bfrom\s+triton\s+import\b[^\n]*\bjit\b", source
+        ):
+            continue  # mentions jit, but makes no Triton function: do not import it
+        name = module_name(path) or str(path.relative_to(root))
+        try:
+            module = import_file(path)
+        except BaseException as e:  # report and go on: one broken module must not hide the others
+            if decorated:
+                errors.append(f"{path.relative_to(root)}: import failed: {type(e).__name__}: {e}")
+            continue
+        seen: set[str] = set()
+        for fname, line, top_level in decorated:
+            f = Found(name, path, fname, line)
+            found.append(f)
+            seen.add(fname)
+            if not top_level or not hasattr(module, fname):
+                f.kind = "error"
+                f.error = (
+                    "not a module-level name, so it cannot be compiled ahead of time: move it to module level"
+                )
+                continue
+            classify(f, getattr(module, fname))
+        # Triton functions made without a decorator (k = triton.jit(f)) and defined in this file
+        for attr, obj in sorted(vars(module).items()):
+            jit = _triton_function(obj)
+            code = getattr(_python_function(jit), "__code__", None) if jit is not None else None
+            if code is None or attr in seen or Path(code.co_filename).resolve() != path.resolve():
+                continue
+            f = Found(name, path, attr, code.co_firstlineno)
+            found.append(f)
+            seen.add(attr)
+            classify(f, obj, decorated=False)
+    count_callers(found)
+    return found, errors
+
+
+def _resolve(node: ast.expr, scope: dict[str, Any]) -> Any:
+    if isinstance(node, ast.Name):
+        return scope.get(node.id)
+    if isinstance(node, ast.Attribute):
+        base = _resolve(node.value, scope)
+        return getattr(base, node.attr, None) if base is not None else None
+    return None
+
+
+def callees(jit: Any) -> list[Any]:
+    """The Triton functions that ``jit``'s body calls by a module-level name (``f(...)``, ``mod.f(...)``)."""
+    tree = ast.parse(textwrap.dedent(jit.src))
+    scope = jit.fn.__globals__
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            inner = _triton_function(_resolve(node.func, scope))
+            if inner is not None and inner is not jit:
+                out.append(inner)
+    return out
+
+
+def count_callers(found: list[Found]) -> None:
+    """Set ``callers`` of every device function; one that no kernel reaches is never compiled."""
+    by_id = {id(f.jit): f for f in found if f.jit is not None}
+    for kernel in (f for f in found if f.kind == "kernel"):
+        reached: set[int] = set()
+        todo = [kernel.jit]
+        while todo:
+            for callee in callees(todo.pop()):
+                if id(callee) not in reached:
+                    reached.add(id(callee))
+                    todo.append(callee)
+        for i in reached:
+            if i in by_id:
+                by_id[i].callers += 1
+    for f in found:
+        if f.kind == "device" and f.callers == 0:
+            f.kind = "error"
+            f.error = (
+                "device function that no kernel calls, so it is never compiled: call it from a kernel "
+                "with @aot variants (a test kernel will do)"
+            )
+
+
+# -- compiling ----------------------------------------------------------------------------------------
+
+
+def compile_one(task: Task, out_dir: str | None) -> tuple[Task, bool, str, float]:
+    """Compile one variant for one target; (task, ok, message, seconds). Runs in a worker."""
+    t0 = time.perf_counter()
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        from mori.core.kernels import aot_specs
+
+        module = import_file(Path(task.path))
+        obj = getattr(module, task.name)
+        jit = _triton_function(obj)
+        spec = aot_specs(obj)[task.variant]
+        names = list(jit.arg_names)
+        signature = {n: spec.signature.get(n, "constexpr") for n in names}
+        constexprs = dict(spec.constexprs)
+        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in spec.aligned}
+        backend, arch, warp = TARGETS[task.target]
+        src = ASTSource(fn=jit, signature=signature, constexprs=constexprs, attrs=attrs)
+        kernel = triton.compile(
+            src, target=GPUTarget(backend, arch, warp), options={"num_warps": spec.num_warps}
+        )
+        binary = "cubin" if backend == "cuda" else "hsaco"
+        if binary not in kernel.asm or not kernel.asm[binary]:
+            return task, False, f"no {binary} produced", time.perf_counter() - t0
+        if out_dir:
+            dest = Path(out_dir) / task.target.replace(":", "_")
+            dest.mkdir(parents=True, exist_ok=True)
+            (dest / f"{task.name}.{task.variant}.{binary}").write_bytes(kernel.asm[binary])
+        return task, True, f"{len(kernel.asm[binary])} bytes", time.perf_counter() - t0
+    except BaseException as e:
+        last = traceback.format_exception_only(type(e), e)[-1].strip()
+        return task, False, last[:2000], time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument(
+        "--targets",
+        default=",".join(TARGETS),
+        help=f"comma-separated targets among {', '.join(TARGETS)} (default: all)",
+    )
+    parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
+    parser.add_argument(
+        "--out", help="also write each cubin / hsaco to OUT/<target>/<kernel>.<variant>.<ext>"
+    )
+    parser.add_argument(
+        "--cache", action="store_true", help="use Triton's cache (default: a fresh empty one)"
+    )
+    args = parser.parse_args(argv)
+
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown or not targets:
+        parser.error(f"--targets: unknown {unknown or 'empty list'}; choose among {', '.join(TARGETS)}")
+    if args.jobs < 1:
+        parser.error("--jobs must be >= 1")
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="mori-triton-cache-") as tmp:
+        if not args.cache:
+            os.environ["TRITON_CACHE_DIR"] = tmp  # before triton is imported: it reads it then
+        try:
+            import triton
+        except ImportError:
+            print("compile_kernels: triton is not installed; nothing was compiled", file=sys.stderr)
+            return 1
+        found, errors = discover(ROOT)
+        tasks = [
+            Task(f.module, str(f.path), f.name, i, t)
+            for f in found
+            if f.kind == "kernel"
+            for i in range(len(f.variants))
+            for t in targets
+        ]
+        results: dict[Task, tuple[bool, str, float]] = {}
+        if args.jobs == 1 or len(tasks) <= 1:
+            for task in tasks:
+                _, ok, msg, secs = compile_one(task, args.out)
+                results[task] = (ok, msg, secs)
+        else:
+            import multiprocessing as mp
+
+            # fork: the workers inherit the imported modules (nothing has been compiled yet, so no
+            # compiler threads exist to be lost); spawn where fork is not available
+            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+            with ProcessPoolExecutor(max_workers=args.jobs, mp_context=mp.get_context(method)) as pool:
+                for task, ok, msg, secs in pool.map(compile_one, tasks, [args.out] * len(tasks)):
+                    results[task] = (ok, msg, secs)
+
+    failed = report(found, errors, results, targets, triton.__version__, time.perf_counter() - t0)
+    return 1 if failed else 0
+
+
+def _label(f: Found) -> str:
+    if f.path.is_relative_to(ROOT) and module_name(f.path) is None:
+        return f"{f.path.relative_to(ROOT)}::{f.name}"  # imported by path (tests)
+    return f"{f.module}.{f.name}"
+
+
+def report(
+    found: list[Found],
+    errors: list[str],
+    results: dict[Task, tuple[bool, str, float]],
+    targets: list[str],
+    version: str,
+    seconds: float,
+) -> bool:
+    """Print the table and the errors; True if anything failed."""
+    rows: list[tuple[str, list[str]]] = []
+    details: list[str] = []
+    devices: list[str] = []
+    for f in sorted(found, key=lambda f: (f.module, f.line)):
+        label = _label(f)
+        if f.kind == "kernel":
+            for i, spec in enumerate(f.variants):
+                cells = []
+                for t in targets:
+                    ok, msg, secs = results[Task(f.module, str(f.path), f.name, i, t)]
+                    cells.append(f"ok {secs:4.1f}s" if ok else "ERROR")
+                    if not ok:
+                        details.append(f"{label} [{spec.describe()}] on {t}: {msg}")
+                rows.append((f"{label} [{spec.describe()}]", cells))
+        elif f.kind == "device":
+            devices.append(f"{label} ({f.callers})")
+        else:
+            rows.append((label, ["ERROR"] * len(targets)))
+            where = f.path.relative_to(ROOT) if f.path.is_relative_to(ROOT) else f.path
+            details.append(f"{label} ({where}:{f.line}): {f.error}")
+    details += errors
+
+    n_kernels = sum(f.kind == "kernel" for f in found)
+    width = max([len(r[0]) for r in rows] + [len("kernel [variant]")])
+    cw = max(10, *(len(t) for t in targets))
+    print(f"Triton {version}: {n_kernels} kernels, {len(rows)} rows, {len(targets)} targets")
+    print(f"{'kernel [variant]':<{width}}  " + "  ".join(f"{t:<{cw}}" for t in targets))
+    print("-" * (width + (cw + 2) * len(targets)))
+    for label, cells in rows:
+        print(f"{label:<{width}}  " + "  ".join(f"{c:<{cw}}" for c in cells))
+    if devices:
+        print(f"\n{len(devices)} device functions, compiled inside the kernels that call them (how many):")
+        print(textwrap.fill(", ".join(devices), width=110, initial_indent="  ", subsequent_indent="  "))
+    n_ok = sum(ok for ok, _, _ in results.values())
+    print(f"\n{n_ok}/{len(results)} compiles ok in {seconds:.1f} s")
+    if details:
+        print(f"\n{len(details)} error(s):", file=sys.stderr)
+        for d in details:
+            print(f"  {d}", file=sys.stderr)
+    return bool(details)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
