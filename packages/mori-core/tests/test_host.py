@@ -251,3 +251,16 @@ def _put_errors(rank: int, nranks: int) -> None:
 @pytest.mark.parametrize("nranks", [2, 4])
 def test_put_get_errors_name_the_argument(nranks: int) -> None:
     shmem_ranks(_put_errors, nranks)
+
+
+def _barrier_on_stream(rank: int, nranks: int, rounds: int) -> None:
+    word = shmem.shmem_malloc(8)
+    for r in range(1, rounds + 1):
+        shmem.shmem_atomic_set(word, r, (rank + 1) % nranks)
+        assert shmem.shmem_barrier_on_stream() == 0  # on the cpu runtime: the host barrier
+        assert shmem.shmem_atomic_fetch(word, rank) == r
+        shmem.shmem_barrier_on_stream(None)
+
+
+def test_barrier_on_stream_orders_puts_on_the_cpu_runtime() -> None:
+    shmem_ranks(_barrier_on_stream, 4, 10)

@@ -250,6 +250,34 @@ def shmem_barrier_all() -> int:
     return 0
 
 
+def shmem_barrier_on_stream(stream: Any = None) -> int:
+    """Barrier over all PEs, ordered on a device stream: collective, graph-capturable.
+
+    ``stream``: None (the current stream), a ``torch.cuda.Stream`` or a raw stream handle (int).
+    On a GPU runtime this enqueues the device barrier kernel and returns at once; PEs wait on the
+    device, not the host. On the ``cpu`` runtime there is no stream: it is :func:`shmem_barrier_all`.
+    """
+    func = "shmem_barrier_on_stream"
+    ctx = current(func)
+    if ctx.runtime.torch_device == "cpu":
+        ctx.barrier_all(what=func)
+        return 0
+    import torch
+
+    from mori.shmem import kernels
+
+    if stream is None:
+        kernels.barrier()
+    else:
+        if isinstance(stream, int) and not isinstance(stream, bool):
+            stream = torch.cuda.ExternalStream(stream)
+        if not isinstance(stream, torch.cuda.Stream):
+            raise bad_value(func, "stream", stream, "None, a torch.cuda.Stream or a raw stream handle (int)")
+        with torch.cuda.stream(stream):
+            kernels.barrier()
+    return 0
+
+
 def shmem_num_qp_per_pe() -> int:
     """RDMA queue pairs per peer. Host transports use none, so this is 0 until a NIC transport exists."""
     current("shmem_num_qp_per_pe")
