@@ -33,7 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--samples", type=int, default=15, help="timed samples per size (median and spread over them)"
     )
     p.add_argument("--pingpongs", type=int, default=2000, help="round trips timed for the latency figure")
-    p.add_argument("--json", default="bench-results/shmem-cpu.json", help="where to write the JSON record")
+    p.add_argument(
+        "--json",
+        default=None,
+        help="where to write the JSON record (default bench-results/shmem-DEVICE.json)",
+    )
 
 
 def _time_per_call(fn: Any, size: int, samples: int) -> list[float]:
@@ -93,7 +97,12 @@ def _rank(rank: int, nranks: int, sizes: list[int], samples: int, pingpongs: int
 
 
 def run(args: argparse.Namespace) -> int:
-    sizes = sorted(set(args.sizes))
+    args.json = args.json or f"bench-results/shmem-{args.device}.json"
+    if args.device == "cuda":
+        from mori.shmem import bench_gpu
+
+        return bench_gpu.report(args, *bench_gpu.run_gpu(args))
+    sizes = sorted(set(args.sizes or DEFAULT_SIZES))
     if not sizes or sizes[0] <= 0:
         raise SystemExit("mori bench shmem: --sizes must be byte counts > 0")
     heap = 2 * max(sizes) + (16 << 20)
