@@ -85,6 +85,16 @@ class DeviceRuntime(ABC):
     #: the torch device type tensors on this runtime's memory have ("cpu", "cuda")
     torch_device: str = "cpu"
 
+    @property
+    def device_index(self) -> int | None:
+        """Index of the device that holds this process's heap (None: host memory, no index)."""
+        return None
+
+    def torch_device_of_heap(self) -> str:
+        """``"cpu"`` or ``"cuda:N"``: where tensors over this process's heap live."""
+        idx = self.device_index
+        return self.torch_device if idx is None else f"{self.torch_device}:{idx}"
+
     @abstractmethod
     def probe(self) -> Availability:
         """Check, without side effects, whether this runtime works on this machine."""

@@ -155,7 +155,7 @@ def shmem_device_context() -> torch.Tensor:
                 f"aligned ({[hex(ctx.bases[p]) for p in odd]}); the device API needs aligned heaps"
             )
         values = [ctx.my_pe, ctx.n_pes, *ctx.bases]
-        cached = torch.tensor(values, dtype=torch.int64, device=ctx.runtime.torch_device)
+        cached = torch.tensor(values, dtype=torch.int64, device=ctx.runtime.torch_device_of_heap())
         ctx.device_context = cached
     return cached  # type: ignore[no-any-return]
 

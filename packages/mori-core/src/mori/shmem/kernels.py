@@ -359,7 +359,7 @@ def put_signal(
     d, s = _as_words(dst, src)
     n = d.numel()
     programs, per = _grid(n, block, max_programs) if n else (1, block)
-    counter = torch.zeros(1, dtype=torch.int32, device=ctx.runtime.torch_device)
+    counter = torch.zeros(1, dtype=torch.int32, device=ctx.runtime.torch_device_of_heap())
     put_signal_kernel[(programs,)](
         d, s, sig, counter, shd.shmem_device_context(), n, per, signal, pe, SIG_OP=sig_op, BLOCK=block
     )

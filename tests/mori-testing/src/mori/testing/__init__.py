@@ -31,4 +31,7 @@ def shmem_ranks(
 
     ``before_init(rank, nranks)`` runs on each rank before init (e.g. ``torch.cuda.set_device``).
     """
+    # Tests get the cpu runtime unless they ask for another: on a GPU machine with a device plugin
+    # installed, "auto" would move every CPU test onto GPU memory.
+    env = {"MORI_DEVICE_RUNTIME": "cpu", **(env or {})}
     return launch.shmem_ranks(fn, nranks, *args, heap=heap, timeout=timeout, env=env, before_init=before_init)
