@@ -218,7 +218,9 @@ def test_killed_ranks_leave_nothing_in_dev_shm(tmp_path: Path, clean_env: pytest
             if p.stdout is not None:
                 p.stdout.close()
     # each killed rank's segment name carries its pid; none may be left
-    assert [n for n in os.listdir("/dev/shm") for p in procs if n.startswith(f"{SEGMENT_PREFIX}{p.pid}.")] == []
+    assert [
+        n for n in os.listdir("/dev/shm") for p in procs if n.startswith(f"{SEGMENT_PREFIX}{p.pid}.")
+    ] == []
 
 
 def test_stale_segments_of_dead_processes_are_swept() -> None:

@@ -137,7 +137,7 @@ def test_selecting_an_uninstalled_runtime_fails_clearly(plugin_path: Path) -> No
         plugin_path,
         "-c",
         "from mori.core.launch import shmem_ranks\nshmem_ranks(print, 2, timeout=30)",
-        env={"MORI_DEVICE_RUNTIME": "cuda"},
+        env={"MORI_DEVICE_RUNTIME": "no-such-runtime"},
     )
     assert out.returncode != 0
     assert (

@@ -270,7 +270,7 @@ def shmem_barrier_on_stream(stream: Any = None) -> int:
         kernels.barrier()
     else:
         if isinstance(stream, int) and not isinstance(stream, bool):
-            stream = torch.cuda.ExternalStream(stream)
+            stream = torch.cuda.ExternalStream(stream)  # type: ignore[no-untyped-call]
         if not isinstance(stream, torch.cuda.Stream):
             raise bad_value(func, "stream", stream, "None, a torch.cuda.Stream or a raw stream handle (int)")
         with torch.cuda.stream(stream):

@@ -1,5 +1,5 @@
 # Jitted functions carry no Python annotations (Triton reads them):
-# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# mypy: disable-error-code="no-untyped-def,untyped-decorator,no-untyped-call"
 """GPU part of ``mori bench shmem --device cuda``: 2 ranks, one GPU each.
 
 Figures (all timed with CUDA events around CUDA-graph replays, so no Python launch cost is in them):
@@ -247,7 +247,7 @@ def report(args: Any, r0: dict[str, Any], r1: dict[str, Any]) -> int:
     replays = (r0["graph_barrier_replays"], r1["graph_barrier_replays"])
     print(f"graph with counter += 1 and the barrier, replayed 1000 times: counters {replays}")
     print(f"last put verified byte-exact on PE 1: {r1['verified']}")
-    extra = [
+    extra: list[dict[str, Any]] = [
         {
             "latency": "put_signal_wait_round_trip_8B",
             "median_us": rtt.median * 1e6,
