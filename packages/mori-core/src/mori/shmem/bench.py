@@ -21,13 +21,16 @@ DEFAULT_SIZES = [8 << i for i in range(24)]  # 8 B, 16 B, ... 64 MiB
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--device", choices=["cpu"], default="cpu", help="runtime to measure (GPU runtimes come as plugins)"
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu: 2 local ranks on the cpu runtime; cuda: 2 ranks on 2 GPUs (needs a GPU runtime plugin)",
     )
     p.add_argument(
         "--sizes",
         type=lambda s: [int(x) for x in s.split(",")],
-        default=DEFAULT_SIZES,
-        help="comma-separated byte sizes (default 8 B to 64 MiB, powers of 2)",
+        default=None,
+        help="comma-separated byte sizes (default: cpu 8 B to 64 MiB by 2x; cuda 8 B to 256 MiB)",
     )
     p.add_argument(
         "--samples", type=int, default=15, help="timed samples per size (median and spread over them)"

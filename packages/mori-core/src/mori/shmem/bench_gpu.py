@@ -8,7 +8,8 @@ Figures (all timed with CUDA events around CUDA-graph replays, so no Python laun
   number of programs (thread blocks) allowed; GB/s = bytes / median time per put (1 GB = 1e9 B).
 * copy-engine put: ``peer_view.copy_(src)`` where ``peer_view`` is PE 1's heap mapped into PE 0
   (cudaMemcpyAsync through the copy engines over NVLink).
-* baseline, same run: torch's own peer copy ``dst.copy_(src)`` from ``cuda:0`` to ``cuda:1``;
+* baseline, same run: torch's own peer copy ``dst.copy_(src)`` from ``cuda:0`` to ``cuda:1``, timed
+  eagerly (torch cannot capture a cross-device copy in a graph);
   ratios are put / baseline.
 * put+signal+wait round trip: one kernel per PE bounces an 8-byte put with a signal back and
   forth ``iters`` times; round trip = kernel time / iters.
@@ -88,6 +89,28 @@ def _graph_time(fn: Any, reps_in_graph: int, replays: int) -> list[float]:
     return out
 
 
+def _eager_time(fn: Any, reps: int, replays: int) -> list[float]:
+    """Seconds per call of ``fn`` called ``reps`` times back to back between two CUDA events.
+
+    For torch's cross-device copy, which cannot be captured in a graph (it synchronises with the
+    other device's stream); its Python launch cost is in the figure, which matters for small sizes.
+    """
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) / 1e3 / reps)
+    return out
+
+
 def set_device(rank: int, nranks: int) -> None:
     import torch
 
@@ -118,7 +141,7 @@ def rank_main(rank: int, nranks: int, sizes: list[int], replays: int) -> dict[st
         for size in sizes:
             reps = max(1, min(50, (256 << 20) // (size * 4) or 1))
             row: dict[str, Any] = {"size": size}
-            row["torch_peer_copy_s"] = _graph_time(
+            row["torch_peer_copy_s"] = _eager_time(
                 lambda n=size: base_dst[:n].copy_(base_src[:n]), reps, replays
             )
             row["copy_engine_put_s"] = _graph_time(lambda n=size: peer_dst[:n].copy_(src[:n]), reps, replays)
@@ -165,7 +188,44 @@ def rank_main(rank: int, nranks: int, sizes: list[int], replays: int) -> dict[st
     shmem.shmem_barrier_all()
     out["graph_barrier_replays"] = int(counter.item())
     shmem.shmem_barrier_all()
+    out["torch_symm_mem"] = _torch_symm_mem_baseline(rank, nranks, replays)
+    shmem.shmem_barrier_all()
     return out
+
+
+def _torch_symm_mem_baseline(rank: int, nranks: int, replays: int) -> dict[str, Any]:
+    """Barrier and signal round trip with torch's symmetric memory, where this torch has it."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("nccl", rank=rank, world_size=nranks, device_id=device)
+        t = symm_mem.empty(16, dtype=torch.int64, device=device)
+        h = symm_mem.rendezvous(t, dist.group.WORLD.group_name)
+        peer = 1 - rank
+        barrier = _graph_time(lambda: h.barrier(channel=0), 100, max(3, replays // 2))
+
+        def bounce() -> None:
+            if rank == 0:
+                h.put_signal(dst_rank=peer, channel=1)
+                h.wait_signal(src_rank=peer, channel=1)
+            else:
+                h.wait_signal(src_rank=peer, channel=1)
+                h.put_signal(dst_rank=peer, channel=1)
+
+        h.barrier(channel=0)
+        rtt = _graph_time(bounce, 100, max(3, replays // 2))
+        h.barrier(channel=0)
+        torch.cuda.synchronize()
+        return {"barrier_s": barrier, "rtt_s": rtt}
+    except Exception as e:  # the baseline is optional: say why it is missing
+        return {"unavailable": f"{type(e).__name__}: {e}"[:300]}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run_gpu(args: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -177,9 +237,16 @@ def run_gpu(args: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         raise SystemExit("mori bench shmem --device cuda: no CUDA device visible")
     sizes = sorted(set(args.sizes or SIZES))
     heap = 2 * max(sizes) + (64 << 20)
+    import socket
+
+    with socket.socket() as sock:  # for the torch.distributed group of the symm_mem baseline
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     env = {
         "MORI_DEVICE_RUNTIME": os.environ.get("MORI_DEVICE_RUNTIME", "auto"),
         "CUDA_MODULE_LOADING": "EAGER",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
     }
     r0, r1 = shmem_ranks(
         rank_main, 2, sizes, args.samples, heap=str(heap), timeout=900.0, env=env, before_init=set_device
@@ -244,6 +311,16 @@ def report(args: Any, r0: dict[str, Any], r1: dict[str, Any]) -> int:
         f"barrier (shmem_barrier_on_stream in a CUDA graph): median {bar.median * 1e6:.2f} us "
         f"(p10 {bar.p10 * 1e6:.2f}, p90 {bar.p90 * 1e6:.2f})"
     )
+    sm = r0["torch_symm_mem"]
+    if "unavailable" in sm:
+        print(f"torch symmetric memory baseline: unavailable ({sm['unavailable']})")
+    else:
+        sm_rtt, sm_bar = bench.Stats.of(sm["rtt_s"]), bench.Stats.of(sm["barrier_s"])
+        print(
+            f"baseline torch symm_mem (same run): put_signal+wait_signal round trip {sm_rtt.median * 1e6:.2f} us "
+            f"(ratio mori/torch {rtt.median / sm_rtt.median:.2f}); barrier {sm_bar.median * 1e6:.2f} us "
+            f"(ratio mori/torch {bar.median / sm_bar.median:.2f})"
+        )
     replays = (r0["graph_barrier_replays"], r1["graph_barrier_replays"])
     print(f"graph with counter += 1 and the barrier, replayed 1000 times: counters {replays}")
     print(f"last put verified byte-exact on PE 1: {r1['verified']}")
@@ -260,6 +337,7 @@ def report(args: Any, r0: dict[str, Any], r1: dict[str, Any]) -> int:
             "p90_us": bar.p90 * 1e6,
         },
         {"check": "graph_barrier_1000_replays", "counters": list(replays)},
+        {"baseline": "torch_symm_mem", **sm},
     ]
     path = bench.write_json(
         args.json,
