@@ -204,7 +204,10 @@ def _torch_symm_mem_baseline(rank: int, nranks: int, replays: int) -> dict[str, 
         device = torch.device("cuda", torch.cuda.current_device())
         dist.init_process_group("nccl", rank=rank, world_size=nranks, device_id=device)
         t = symm_mem.empty(16, dtype=torch.int64, device=device)
-        h = symm_mem.rendezvous(t, dist.group.WORLD.group_name)
+        world = dist.group.WORLD
+        if world is None:
+            raise RuntimeError("torch.distributed has no world group")
+        h = symm_mem.rendezvous(t, world.group_name)
         peer = 1 - rank
         barrier = _graph_time(lambda: h.barrier(channel=0), 100, max(3, replays // 2))
 
