@@ -25,6 +25,7 @@ COMPONENTS: dict[str, str] = {
     "core": "mori-core",
     "shmem": "mori-core",
     "ep": "mori-ep",
+    "ops": "mori-ep",  # the original's name for the EP component
     "io": "mori-io",
     "cco": "mori-cco",
     "ccl": "mori-cco",

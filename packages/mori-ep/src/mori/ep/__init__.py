@@ -1,43 +1,26 @@
-"""mori.ep: MoE expert-parallel dispatch and combine. PLACEHOLDER: nothing is implemented yet.
+"""mori.ep: MoE expert-parallel dispatch and combine (also importable as ``mori.ops``).
 
-mori-ep 0.1.0 is an empty placeholder. The EP component is not implemented yet; this module
-provides none of its names, and accessing any of them raises :class:`AttributeError`. Progress is
-tracked in the project's issues.
-
-What it will be: dispatch sends every token of a mixture-of-experts layer to each rank that hosts
-one of its top-k experts (once per destination rank), with its weights, expert ids and optional
-scales; combine returns the experts' outputs to the token's source rank and sums them. It will be
-built on :mod:`mori.shmem`, and also be importable as ``mori.ops`` like the original.
-
-Planned public names: ``EpDispatchCombineConfig``, ``EpDispatchCombineOp``,
-``EpDispatchCombineKernelType``, ``EpDispatchRoutingHandle``, ``launch_local_expert_count``.
+*Dispatch* sends each token of a mixture-of-experts layer to every rank that hosts one of its
+top-k experts, once per destination rank, with its routing weights, expert ids and optional
+scales. *Combine* returns the experts' outputs to the token's source rank and sums them there
+(unweighted, in fp32). Built on :mod:`mori.shmem`; the CPU runtime implements the single-node
+kernel types ``IntraNode``, ``IntraNodeLL`` and ``AsyncLL``.
 """
 
 from __future__ import annotations
 
-from typing import NoReturn
+from mori.ep.config import (
+    MAX_EXPERTS_PER_TOKEN,
+    EpDispatchCombineConfig,
+    EpDispatchCombineKernelType,
+)
+from mori.ep.op import EpDispatchCombineOp, EpDispatchRoutingHandle
 
-__all__: list[str] = []
-__status__ = "placeholder"
-
-_DISTRIBUTION = "mori-ep"
-_COMPONENT = "EP"
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(_DISTRIBUTION)
-    except PackageNotFoundError:  # a source tree that is not installed
-        return "0+unknown"
-
-
-def __getattr__(name: str) -> NoReturn:
-    if name.startswith("_"):  # dunder probes (copy, inspect, pytest) get the ordinary error
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}", name=name)
-    raise AttributeError(
-        f"{__name__}.{name} is not available: {_DISTRIBUTION} {_version()} is a placeholder; "
-        f"the {_COMPONENT} component is not implemented yet (see the project's issues)",
-        name=name,
-    )
+__all__ = [
+    "MAX_EXPERTS_PER_TOKEN",
+    "EpDispatchCombineConfig",
+    "EpDispatchCombineKernelType",
+    "EpDispatchCombineOp",
+    "EpDispatchRoutingHandle",
+]
+__status__ = "cpu"

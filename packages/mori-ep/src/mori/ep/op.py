@@ -1,0 +1,770 @@
+"""The EP dispatch/combine operator on the host (CPU runtime): one node, symmetric-heap buffers.
+
+Protocol (the same buffers, signals and order as the intra-node GPU kernels; here every step is a
+vectorised torch operation on views of the peers' symmetric buffers, never a loop over tokens):
+
+dispatch, on every rank ``r`` with ``N`` tokens:
+  1. ``dest[t, p]`` = token ``t`` has at least one expert on rank ``p`` (expert ``e`` lives on rank
+     ``e // E_local``; ``-1`` ids are skipped). A token goes once per distinct destination rank.
+  2. For each destination ``p``: reserve ``n_p`` contiguous rows of ``p``'s receive buffers with one
+     ``shmem_atomic_fetch_add`` on ``p``'s slot counter, then store the rows (token bytes, its K
+     weights, scales, K expert ids and its flat source position ``r * world * M + t``) straight
+     into ``p``'s buffers.
+  3. Signal every rank (``disp_sig[r] += 1`` on each peer, after the stores), then wait until
+     every peer's word in our ``disp_sig`` reached this call's epoch. Our slot counter then holds
+     ``total_recv``; it is read and set back to zero here. Two counters alternate by epoch
+     parity: a peer can be at most one dispatch ahead of us, so it never touches the counter we
+     are resetting. Signals only grow (epochs), so nothing else needs a reset or a barrier.
+
+combine, the reverse: each received row ``i`` (source ``(s, t)``) is stored into rank ``s``'s
+staging buffer at ``[r, t]``; after every peer signalled, rank ``s`` sums, in fp32, the staged rows
+of each token over its distinct destination ranks and casts once to the input dtype. Combine is
+an unweighted sum: gating weights are the expert side's business.
+
+Overwrite safety: each call starts by telling every peer "my buffers are free" (an epoch signal)
+and writes into a peer's buffers only after that peer said so for this call. A dispatch's outputs
+therefore stay valid until this rank's next dispatch, and a combine's staging rows until it has
+summed them, even when several dispatches (routing handles for several layers) run back to back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import mori.shmem as shmem
+from mori.core.errors import (
+    MoriBackendError,
+    MoriStateError,
+    MoriTimeoutError,
+    MoriTypeError,
+    MoriValueError,
+    bad_type,
+    bad_value,
+    format_ranks,
+)
+from mori.ep.config import EpDispatchCombineConfig, EpDispatchCombineKernelType
+
+__all__ = ["EpDispatchCombineOp", "EpDispatchRoutingHandle"]
+
+KT = EpDispatchCombineKernelType
+#: kernel types this runtime implements (all on the same host path)
+_AVAILABLE = (KT.IntraNode, KT.IntraNodeLL, KT.AsyncLL)
+#: kernel types that may use a routing handle (as in the original: IntraNode and InterNodeV1)
+_ROUTING_KERNELS = (KT.IntraNode,)
+
+
+def _float8_types() -> tuple[torch.dtype, ...]:
+    return tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz") if hasattr(torch, n))
+
+
+#: token dtypes dispatch accepts (bytes are moved unchanged)
+DISPATCH_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32, *_float8_types())
+#: token dtypes combine accepts (summed in fp32, cast once)
+COMBINE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _names(dtypes: Sequence[torch.dtype]) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+class EpDispatchRoutingHandle:
+    """Snapshot of one dispatch's routing: enough to replay it or to combine with it later.
+
+    Made by ``dispatch(..., return_routing=True)``. ``dispatch(..., routing=handle)`` sends a new
+    payload to exactly the same receive rows (no slot reservation; every rank must replay its own
+    handle of the same dispatch, together); ``combine(..., routing=handle)`` returns the expert
+    outputs of that dispatch even after later dispatches (several layers can share one operator,
+    provided each layer's combine input was taken before the receive buffers were overwritten).
+
+    Attributes:
+        dest_slot: int32 [world_size, M]: row of rank ``p``'s receive buffers that holds this rank's
+            token ``t``, ``-1`` if the token was not sent to ``p``.
+        total_recv: int32 [1]: rows this rank received.
+        recv_src_pos: int32 [total_recv]: flat source position ``src_rank * world_size * M +
+            src_tok`` of every received row.
+        num_tokens: ``N``, the number of tokens this rank dispatched.
+    """
+
+    def __init__(
+        self, dest_slot: torch.Tensor, total_recv: torch.Tensor, recv_src_pos: torch.Tensor, num_tokens: int
+    ) -> None:
+        self.dest_slot = dest_slot
+        self.total_recv = total_recv
+        self.recv_src_pos = recv_src_pos
+        self.num_tokens = int(num_tokens)
+
+    @property
+    def num_recv(self) -> int:
+        """``total_recv[0]`` as an int."""
+        return int(self.total_recv[0])
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dest_slot, total_recv, recv_src_pos)``; rebuild with :meth:`from_tensors`."""
+        return self.dest_slot, self.total_recv, self.recv_src_pos
+
+    @classmethod
+    def from_tensors(
+        cls, tensors: Sequence[torch.Tensor], cur_rank_num_token: int
+    ) -> EpDispatchRoutingHandle:
+        """Rebuild a handle from :meth:`tensors` and the number of tokens this rank dispatched."""
+        func = "EpDispatchRoutingHandle.from_tensors"
+        if len(tensors) != 3 or not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise bad_value(func, "tensors", tensors, "(dest_slot, total_recv, recv_src_pos) from tensors()")
+        dest_slot, total, pos = tensors
+        if dest_slot.dim() != 2 or dest_slot.dtype != torch.int32:
+            raise bad_value(func, "tensors[0]", tuple(dest_slot.shape), "dest_slot int32 [world_size, M]")
+        if total.shape != (1,) or total.dtype != torch.int32:
+            raise bad_value(func, "tensors[1]", tuple(total.shape), "total_recv int32 [1]")
+        if pos.dim() != 1 or pos.dtype != torch.int32 or pos.shape[0] != int(total[0]):
+            raise bad_value(func, "tensors[2]", tuple(pos.shape), "recv_src_pos int32 [total_recv]")
+        n = cur_rank_num_token
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= dest_slot.shape[1]:
+            raise bad_value(func, "cur_rank_num_token", n, f"an int in [0, {dest_slot.shape[1]}]")
+        return cls(dest_slot, total, pos, n)
+
+    def __repr__(self) -> str:
+        return f"EpDispatchRoutingHandle(num_tokens={self.num_tokens}, total_recv={self.num_recv})"
+
+
+class EpDispatchCombineOp:
+    """MoE expert-parallel dispatch and combine between the ranks of one node (CPU runtime).
+
+    The constructor is **collective** (every rank of ``mori.shmem`` must build one with the same
+    config, in the same order): it allocates the symmetric buffers, zeroes them and ends with a
+    barrier, so no peer writes before every rank is ready. ``mori.shmem`` must be initialised with
+    ``shmem_npes() == config.world_size`` and ``shmem_mype() == config.rank``.
+
+    ``dispatch`` and ``combine`` are collective and host-blocking (they return when this rank's
+    results are complete); they self-reset, so dispatch/combine pairs repeat with no barrier and no
+    :meth:`reset`. Launch arguments (``block_num``, ``rdma_block_num``, ``warp_per_block``) are
+    validated (``-1`` = config default, else a positive int) and otherwise unused on the CPU runtime.
+
+    Available kernel types: ``IntraNode``, ``IntraNodeLL`` (the same host path) and ``AsyncLL``
+    (``dispatch``/``dispatch_send`` only send; ``dispatch_recv`` waits and finalises; likewise
+    combine). The multi-node types need a network transport and raise
+    :class:`~mori.core.errors.MoriBackendError`.
+    """
+
+    def __init__(self, config: EpDispatchCombineConfig) -> None:
+        func = "EpDispatchCombineOp"
+        if not isinstance(config, EpDispatchCombineConfig):
+            raise bad_type(func, "config", config, "an EpDispatchCombineConfig")
+        if not shmem.shmem_is_initialized():
+            raise MoriStateError(
+                f"{func}: mori.shmem is not initialised; call shmem_init_attr or "
+                "shmem_torch_process_group_init first"
+            )
+        if config.kernel_type not in _AVAILABLE:
+            raise MoriBackendError(
+                f"{func}: kernel_type {config.kernel_type.name} is not available without a network "
+                f"transport (RDMA); available here: {', '.join(k.name for k in _AVAILABLE)}"
+            )
+        if config.quant_type != "none":
+            raise MoriBackendError(
+                f"{func}: quant_type={config.quant_type!r} is not implemented on the CPU runtime; use 'none'"
+            )
+        npes, mype = shmem.shmem_npes(), shmem.shmem_mype()
+        if config.world_size != npes:
+            raise bad_value(func, "config.world_size", config.world_size, f"shmem_npes() = {npes}")
+        if config.rank != mype:
+            raise bad_value(func, "config.rank", config.rank, f"shmem_mype() = {mype}")
+        if config.max_token_type_size not in (1, 2, 4):
+            raise bad_value(func, "config.max_token_type_size", config.max_token_type_size, "1, 2 or 4")
+
+        self.config = config
+        self.rank, self.world_size = config.rank, config.world_size
+        self._m = config.max_num_inp_token_per_rank
+        self._k = config.num_experts_per_token
+        self._e_local = config.num_experts_per_rank
+        self._r = config.max_num_tokens_to_recv()
+        self._row_bytes = config.hidden_dim * config.max_token_type_size
+        self._scale_bytes = config.scale_dim * config.scale_type_size
+        w, m, k, r = self.world_size, self._m, self._k, self._r
+
+        create = shmem.mori_shmem_create_tensor
+        self._recv_tok = create((r, self._row_bytes), torch.uint8)
+        self._recv_w = create((r, k), torch.float32)
+        self._recv_scales = create((r, self._scale_bytes), torch.uint8)
+        self._recv_idx = create((r, k), torch.int32)
+        self._recv_src = create((r,), torch.int32)
+        self._comb_inp = create((r, self._row_bytes), torch.uint8)  # registered combine input
+        self._stage_tok = create((w, m, self._row_bytes), torch.uint8)
+        self._stage_w = create((w, m, k), torch.float32)
+        # control words: dispatch done [w], combine done [w], slot counters [2] (by parity),
+        # dispatch ready [w], combine ready [w]
+        self._ctrl = create((4 * w + 2,), torch.int64)
+        self._symm = [
+            self._recv_tok,
+            self._recv_w,
+            self._recv_scales,
+            self._recv_idx,
+            self._recv_src,
+            self._comb_inp,
+            self._stage_tok,
+            self._stage_w,
+            self._ctrl,
+        ]
+        for t in self._symm:
+            t.zero_()
+
+        def peers(t: torch.Tensor) -> list[torch.Tensor]:
+            return [t if p == self.rank else shmem.symm_mori_shmem_tensor(t, p) for p in range(w)]
+
+        self._p_tok, self._p_w = peers(self._recv_tok), peers(self._recv_w)
+        self._p_scales, self._p_idx = peers(self._recv_scales), peers(self._recv_idx)
+        self._p_src = peers(self._recv_src)
+        self._p_stage_tok, self._p_stage_w = peers(self._stage_tok), peers(self._stage_w)
+
+        self._disp_epoch = 0
+        self._comb_epoch = 0
+        self._total_recv = torch.zeros(1, dtype=torch.int32)
+        #: int32 [num_experts_per_rank]: received (token, k) pairs per local expert; filled by a
+        #: dispatch with ``call_local_expert_count=True``
+        self.local_expert_count = torch.zeros(self._e_local, dtype=torch.int32)
+        self._last: EpDispatchRoutingHandle | None = None  # routing of the last finished dispatch
+        self._pending_dispatch: dict[str, Any] | None = None  # sent, not yet received
+        self._pending_combine: dict[str, Any] | None = None
+        shmem.shmem_barrier_all()  # every rank's buffers are zeroed before anyone writes
+
+    # -- sizes -----------------------------------------------------------------------------------
+
+    def max_num_tokens_to_recv(self) -> int:
+        """``R``: rows of the receive buffers (and of dispatch's outputs)."""
+        return self._r
+
+    def max_num_tokens_to_recv_per_rank(self) -> int:
+        return self.config.max_num_tokens_to_recv_per_rank()
+
+    def max_num_tokens_to_send(self) -> int:
+        """``world_size * M``: the span of flat source positions."""
+        return self.world_size * self._m
+
+    def max_num_tokens_to_send_per_rank(self) -> int:
+        return self._m
+
+    def reset(self) -> None:
+        """No-op, kept for API compatibility: dispatch and combine reset their own state."""
+
+    # -- control words ---------------------------------------------------------------------------
+
+    def _ctrl_addr(self, i: int) -> int:
+        return self._ctrl.data_ptr() + 8 * i
+
+    def _signal_all(self, base: int) -> None:
+        shmem.shmem_quiet()  # the stores above are visible before any peer sees the signal
+        for p in range(self.world_size):
+            shmem.shmem_signal_op(self._ctrl_addr(base + self.rank), 1, shmem.SIGNAL_ADD, p)
+
+    def _wait_all(self, func: str, base: int, epoch: int) -> None:
+        for p in range(self.world_size):
+            try:
+                shmem.shmem_wait_until(self._ctrl_addr(base + p), shmem.SHMEM_CMP_GE, epoch, dtype="uint64")
+            except MoriTimeoutError as e:
+                seen = self._ctrl[base : base + self.world_size].tolist()
+                missing = [q for q in range(self.world_size) if seen[q] < epoch]
+                raise MoriTimeoutError(
+                    f"{func}: rank {self.rank} waited for call {epoch} of every rank; ranks "
+                    f"{format_ranks(missing)} did not arrive ({e})",
+                    missing,
+                ) from None
+
+    # -- validation ------------------------------------------------------------------------------
+
+    def _launch_args(self, func: str, **args: Any) -> None:
+        for name, v in args.items():
+            low = 0 if name == "rdma_block_num" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or (v != -1 and v < low):
+                raise bad_value(func, name, v, f"-1 (config default) or an int >= {low}")
+
+    def _tensor(self, func: str, name: str, t: Any, dtypes: Sequence[torch.dtype], ndim: int) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise bad_type(func, name, t, "a torch.Tensor")
+        if t.dtype not in dtypes:
+            raise bad_value(func, f"{name}.dtype", t.dtype, _names(dtypes))
+        if t.dim() != ndim:
+            raise bad_value(func, f"{name}.shape", list(t.shape), f"{ndim} dimensions")
+        if t.device != self._recv_tok.device:
+            raise bad_value(func, f"{name}.device", t.device, f"{self._recv_tok.device} (the runtime's)")
+        return t
+
+    def _check_indices(self, func: str, indices: Any, n: int | None) -> torch.Tensor:
+        t = self._tensor(func, "indices", indices, (torch.int32,), 2)
+        if (n is not None and t.shape[0] != n) or t.shape[1] != self._k:
+            rows = "N" if n is None else str(n)
+            raise bad_value(func, "indices.shape", list(t.shape), f"[{rows}, {self._k}] (K = top-k)")
+        if t.shape[0] > self._m:
+            raise bad_value(
+                func,
+                "indices.shape[0]",
+                t.shape[0],
+                f"at most max_num_inp_token_per_rank = {self._m}",
+            )
+        e_total = self._e_local * self.world_size
+        if t.numel() and bool(((t < -1) | (t >= e_total)).any()):
+            bad = t[(t < -1) | (t >= e_total)][0].item()
+            raise bad_value(func, "indices", f"contains {bad}", f"expert ids in [0, {e_total}) or -1 (none)")
+        return t
+
+    def _check_dispatch_args(
+        self,
+        func: str,
+        input: Any,
+        weights: Any,
+        scales: Any,
+        indices: Any,
+        routing: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        cfg = self.config
+        input = self._tensor(func, "input", input, DISPATCH_DTYPES, 2)
+        n, h = input.shape
+        if n > self._m:
+            raise bad_value(func, "input.shape[0]", n, f"at most max_num_inp_token_per_rank = {self._m}")
+        if h > cfg.hidden_dim or h * input.element_size() > self._row_bytes:
+            raise bad_value(
+                func,
+                "input.shape[1]",
+                h,
+                f"at most hidden_dim = {cfg.hidden_dim} with elements of at most "
+                f"max_token_type_size = {cfg.max_token_type_size} bytes",
+            )
+        indices = self._check_indices(func, indices, n)
+        if weights is not None:
+            weights = self._tensor(func, "weights", weights, (torch.float32,), 2)
+            if tuple(weights.shape) != (n, self._k):
+                raise bad_value(func, "weights.shape", list(weights.shape), f"[{n}, {self._k}] or None")
+        if scales is not None:
+            if self._scale_bytes == 0:
+                raise bad_value(
+                    func, "scales", "a tensor", "None (the config has scale_dim * scale_type_size = 0)"
+                )
+            if not isinstance(scales, torch.Tensor):
+                raise bad_type(func, "scales", scales, "a torch.Tensor or None")
+            if scales.dim() != 2 or scales.shape[0] != n or scales.shape[1] > cfg.scale_dim:
+                raise bad_value(func, "scales.shape", list(scales.shape), f"[{n}, <= {cfg.scale_dim}]")
+            if scales.element_size() != cfg.scale_type_size:
+                raise bad_value(
+                    func,
+                    "scales.dtype",
+                    scales.dtype,
+                    f"a dtype of scale_type_size = {cfg.scale_type_size} bytes",
+                )
+            self._tensor(func, "scales", scales, (scales.dtype,), 2)
+        if routing is not None:
+            if not isinstance(routing, EpDispatchRoutingHandle):
+                raise bad_type(func, "routing", routing, "an EpDispatchRoutingHandle or None")
+            self._check_routing(func, routing)
+            if routing.num_tokens != n:
+                raise bad_value(
+                    func, "input.shape[0]", n, f"{routing.num_tokens}, the token count of the routing handle"
+                )
+        return input, weights, scales, indices
+
+    def _check_routing(self, func: str, routing: EpDispatchRoutingHandle) -> None:
+        if self.config.kernel_type not in _ROUTING_KERNELS:
+            raise bad_value(
+                func,
+                "routing",
+                "a handle",
+                f"None: routing handles need kernel_type {', '.join(k.name for k in _ROUTING_KERNELS)}, "
+                f"this op has {self.config.kernel_type.name}",
+            )
+        if tuple(routing.dest_slot.shape) != (self.world_size, self._m) or routing.num_recv > self._r:
+            raise bad_value(func, "routing", routing, "a handle made by an op with the same config")
+
+    # -- dispatch --------------------------------------------------------------------------------
+
+    def dispatch(
+        self,
+        input: torch.Tensor,
+        weights: torch.Tensor | None,
+        scales: torch.Tensor | None,
+        indices: torch.Tensor,
+        block_num: int = -1,
+        rdma_block_num: int = -1,
+        warp_per_block: int = -1,
+        call_local_expert_count: bool = False,
+        *,
+        routing: EpDispatchRoutingHandle | None = None,
+        return_routing: bool = False,
+    ) -> tuple[Any, ...]:
+        """Send every token to each distinct rank that hosts one of its experts. Collective.
+
+        Args:
+            input: [N, H] tokens (bf16, fp16, fp32 or fp8), ``N <= M``, ``H <= hidden_dim``.
+            weights: [N, K] float32 gating weights, forwarded unchanged; or None (then the
+                received weights are zeros).
+            scales: [N, S] per-token scales, ``S <= scale_dim``, elements of ``scale_type_size``
+                bytes; or None. Must be None if the config has no scales.
+            indices: [N, K] int32 global expert ids; ``-1`` means no selection.
+            block_num, rdma_block_num, warp_per_block: launch geometry; validated, unused on CPU.
+            call_local_expert_count: also fill :attr:`local_expert_count`.
+            routing: replay this handle's layout with a new payload (every rank must replay its
+                handle of the same dispatch). IntraNode only.
+            return_routing: also return the :class:`EpDispatchRoutingHandle` of this dispatch.
+
+        Returns:
+            ``(out [R, H], out_weights [R, K] float32, out_scales [R, S] | None,
+            out_indices [R, K] int32, total_recv [1] int32)`` (+ handle if ``return_routing``).
+            ``R = max_num_tokens_to_recv()``; the outputs are views of internal buffers: only the
+            first ``total_recv[0]`` rows are valid, in no particular order, and the next dispatch
+            overwrites them. With ``AsyncLL`` this call only sends: the outputs are valid after
+            :meth:`dispatch_recv`.
+        """
+        func = "EpDispatchCombineOp.dispatch"
+        self._launch_args(
+            func, block_num=block_num, rdma_block_num=rdma_block_num, warp_per_block=warp_per_block
+        )
+        if not isinstance(call_local_expert_count, bool):
+            raise bad_value(func, "call_local_expert_count", call_local_expert_count, "True or False")
+        if not isinstance(return_routing, bool):
+            raise bad_value(func, "return_routing", return_routing, "True or False")
+        if return_routing and self.config.kernel_type not in _ROUTING_KERNELS:
+            raise bad_value(
+                func,
+                "return_routing",
+                True,
+                f"False: routing handles need kernel_type "
+                f"{', '.join(k.name for k in _ROUTING_KERNELS)}, this op has {self.config.kernel_type.name}",
+            )
+        if self._pending_dispatch is not None:
+            raise MoriStateError(
+                f"{func}: the previous dispatch was sent but not received; call dispatch_recv"
+            )
+        if self._pending_combine is not None:
+            raise MoriStateError(f"{func}: the previous combine was sent but not received; call combine_recv")
+        input, weights, scales, indices = self._check_dispatch_args(
+            func, input, weights, scales, indices, routing
+        )
+        outputs = self._dispatch_send(input, weights, scales, indices, routing, call_local_expert_count)
+        if self.config.kernel_type != KT.AsyncLL:
+            self._dispatch_recv(func)
+        if return_routing:
+            assert self._last is not None
+            return (*outputs, self._last)
+        return outputs
+
+    #: the original's name for the send half; the same call as :meth:`dispatch`
+    dispatch_send = dispatch
+
+    def dispatch_recv(
+        self, block_num: int = -1, warp_per_block: int = -1, call_local_expert_count: bool = False
+    ) -> None:
+        """AsyncLL only: wait for every rank's dispatch and finalise this rank's outputs."""
+        func = "EpDispatchCombineOp.dispatch_recv"
+        self._async_only(func)
+        self._launch_args(func, block_num=block_num, warp_per_block=warp_per_block)
+        if not isinstance(call_local_expert_count, bool):
+            raise bad_value(func, "call_local_expert_count", call_local_expert_count, "True or False")
+        if self._pending_dispatch is None:
+            raise MoriStateError(f"{func}: no dispatch was sent; call dispatch_send first")
+        if call_local_expert_count:
+            self._pending_dispatch["count"] = True
+        self._dispatch_recv(func)
+
+    def _async_only(self, func: str) -> None:
+        if self.config.kernel_type != KT.AsyncLL:
+            raise MoriStateError(
+                f"{func}: only for kernel_type AsyncLL; this op has {self.config.kernel_type.name}, "
+                "whose dispatch/combine already return complete results"
+            )
+
+    def _dispatch_send(
+        self,
+        input: torch.Tensor,
+        weights: torch.Tensor | None,
+        scales: torch.Tensor | None,
+        indices: torch.Tensor,
+        routing: EpDispatchRoutingHandle | None,
+        count: bool,
+    ) -> tuple[Any, ...]:
+        w, m, rank = self.world_size, self._m, self.rank
+        n, h = input.shape
+        self._disp_epoch += 1
+        counter = 2 * w + self._disp_epoch % 2
+        # our receive buffers are free again (their last outputs are given up by this call); a
+        # peer writes into ours only after we said so
+        self._signal_all(2 * w + 2)
+        self._wait_all("EpDispatchCombineOp.dispatch", 2 * w + 2, self._disp_epoch)
+        nb = h * input.element_size()
+        inp_b = input.contiguous().view(torch.uint8)
+        sb = 0 if scales is None else scales.shape[1] * scales.element_size()
+        sc_b = None if scales is None else scales.contiguous().view(torch.uint8)
+        wts = weights if weights is not None else torch.zeros(n, self._k, dtype=torch.float32)
+        src_pos = (
+            (torch.arange(n, dtype=torch.int32) + rank * w * m) if n else torch.zeros(0, dtype=torch.int32)
+        )
+
+        if routing is None:
+            # dest[t, p]: token t has at least one expert on rank p
+            dest = torch.zeros(n, w + 1, dtype=torch.bool)
+            ranks = torch.where(indices >= 0, indices // self._e_local, w).long()
+            dest.scatter_(1, ranks, True)
+            dest = dest[:, :w]
+            dest_slot = torch.full((w, m), -1, dtype=torch.int32)
+        else:
+            dest_slot = routing.dest_slot
+        overflow: list[int] = []
+        for p in range(w):
+            if routing is None:
+                toks = dest[:, p].nonzero().flatten()
+                cnt = toks.numel()
+                if cnt == 0:
+                    continue
+                off = shmem.shmem_atomic_fetch_add(self._ctrl_addr(counter), cnt, p)
+                if off + cnt > self._r:
+                    overflow.append(p)
+                    continue
+                slots = torch.arange(off, off + cnt)
+                dest_slot[p, toks] = slots.to(torch.int32)
+            else:
+                toks = (dest_slot[p, :n] >= 0).nonzero().flatten()
+                if toks.numel() == 0:
+                    continue
+                slots = dest_slot[p, toks].long()
+            self._p_tok[p][:, :nb][slots] = inp_b[toks]
+            self._p_w[p][slots] = wts[toks]
+            if sc_b is not None:
+                self._p_scales[p][:, :sb][slots] = sc_b[toks]
+            self._p_idx[p][slots] = indices[toks]
+            self._p_src[p][slots] = src_pos[toks]
+        self._signal_all(0)
+        self._pending_dispatch = {
+            "epoch": self._disp_epoch,
+            "counter": counter,
+            "dest_slot": dest_slot,
+            "routing": routing,
+            "n": n,
+            "count": count,
+        }
+        if overflow:
+            raise MoriValueError(
+                f"EpDispatchCombineOp.dispatch: ranks {format_ranks(overflow)} would receive more than "
+                f"max_num_tokens_to_recv() = {self._r} rows; raise max_total_recv_tokens (the op is "
+                "unusable after this error)"
+            )
+        out = self._recv_tok[:, :nb].view(input.dtype)
+        out_s = None if scales is None else self._recv_scales[:, :sb].view(scales.dtype)
+        return out, self._recv_w, out_s, self._recv_idx, self._total_recv
+
+    def _dispatch_recv(self, func: str) -> None:
+        pend = self._pending_dispatch
+        assert pend is not None
+        self._pending_dispatch = None
+        self._wait_all(func, 0, pend["epoch"])
+        addr = self._ctrl_addr(pend["counter"])
+        total = shmem.shmem_atomic_fetch(addr, self.rank)
+        shmem.shmem_atomic_set(addr, 0, self.rank)  # self-reset; see the module docstring
+        routing = pend["routing"]
+        if routing is not None:
+            if total != 0:
+                raise MoriStateError(
+                    f"{func}: a peer reserved rows during a routing replay; replay on every rank"
+                )
+            total = routing.num_recv
+        if total > self._r:
+            raise MoriValueError(
+                f"{func}: rank {self.rank} would receive {total} rows, more than max_num_tokens_to_recv() = "
+                f"{self._r}; raise max_total_recv_tokens (the op is unusable after this error)"
+            )
+        self._total_recv[0] = total
+        if routing is not None:
+            self._last = routing
+        else:
+            self._last = EpDispatchRoutingHandle(
+                pend["dest_slot"], self._total_recv.clone(), self._recv_src[:total].clone(), pend["n"]
+            )
+        if pend["count"]:
+            idx = self._recv_idx[:total]
+            local = idx - self.rank * self._e_local
+            mine = (idx >= 0) & (local >= 0) & (local < self._e_local)
+            self.local_expert_count.copy_(
+                torch.bincount(local[mine].long(), minlength=self._e_local).to(torch.int32)
+            )
+
+    # -- combine ---------------------------------------------------------------------------------
+
+    def get_registered_combine_input_buffer(self, dtype: torch.dtype, hidden_dim: int = -1) -> torch.Tensor:
+        """[R, hidden_dim] view of the registered (symmetric) combine input buffer.
+
+        For zero-copy combine (``use_external_inp_buf=False``): write the expert outputs of the
+        received rows there and pass this tensor as combine's ``input``. ``hidden_dim=-1`` means
+        the config's.
+        """
+        func = "EpDispatchCombineOp.get_registered_combine_input_buffer"
+        if not isinstance(dtype, torch.dtype) or dtype not in COMBINE_DTYPES:
+            raise bad_value(func, "dtype", dtype, _names(COMBINE_DTYPES))
+        h = self.config.hidden_dim if hidden_dim == -1 else hidden_dim
+        if isinstance(h, bool) or not isinstance(h, int) or not 1 <= h <= self.config.hidden_dim:
+            raise bad_value(func, "hidden_dim", hidden_dim, f"-1 or an int in [1, {self.config.hidden_dim}]")
+        if h * dtype.itemsize > self._row_bytes:
+            raise bad_value(
+                func, "hidden_dim", hidden_dim, f"at most {self._row_bytes // dtype.itemsize} for {dtype}"
+            )
+        return self._comb_inp[:, : h * dtype.itemsize].view(dtype)
+
+    def combine(
+        self,
+        input: torch.Tensor,
+        weights: torch.Tensor | None,
+        indices: torch.Tensor,
+        block_num: int = -1,
+        rdma_block_num: int = -1,
+        warp_per_block: int = -1,
+        use_external_inp_buf: int = -1,
+        call_reset: bool = False,
+        *,
+        routing: EpDispatchRoutingHandle | None = None,
+    ) -> tuple[Any, ...]:
+        """Return every received row to its source rank and sum there. Collective.
+
+        Args:
+            input: [>= total_recv, H] expert outputs, row ``i`` for received row ``i`` (bf16, fp16
+                or fp32; may differ from the dispatch dtype). With zero-copy it must be the
+                tensor from :meth:`get_registered_combine_input_buffer`.
+            weights: [>= total_recv, K] float32, summed back the same way; or None. Give it on
+                every rank or on none.
+            indices: [N, K] int32: this rank's own dispatch ``indices`` (not ``out_indices``);
+                only its shape is checked.
+            block_num, rdma_block_num, warp_per_block: launch geometry; validated, unused on CPU.
+            use_external_inp_buf: -1 = the config's; 1/True: ``input`` is any tensor; 0/False:
+                zero-copy from the registered buffer.
+            call_reset: accepted for compatibility; nothing needs resetting.
+            routing: combine the dispatch this handle was made by (default: the last dispatch).
+
+        Returns:
+            ``(out [M, H], out_weights [M, K] float32 | None)``: first ``N`` rows valid; ``out[t]``
+            is the fp32 sum of the outputs of token ``t``'s distinct destination ranks (unweighted),
+            cast to ``input.dtype``. With ``AsyncLL`` they are filled by :meth:`combine_recv`.
+        """
+        func = "EpDispatchCombineOp.combine"
+        self._launch_args(
+            func, block_num=block_num, rdma_block_num=rdma_block_num, warp_per_block=warp_per_block
+        )
+        if not isinstance(call_reset, bool):
+            raise bad_value(func, "call_reset", call_reset, "True or False")
+        if self._pending_dispatch is not None:
+            raise MoriStateError(f"{func}: the dispatch was sent but not received; call dispatch_recv first")
+        if self._pending_combine is not None:
+            raise MoriStateError(f"{func}: the previous combine was sent but not received; call combine_recv")
+        if routing is not None:
+            if not isinstance(routing, EpDispatchRoutingHandle):
+                raise bad_type(func, "routing", routing, "an EpDispatchRoutingHandle or None")
+            self._check_routing(func, routing)
+        handle = routing if routing is not None else self._last
+        if handle is None:
+            raise MoriStateError(f"{func}: no dispatch to combine; call dispatch first")
+        if use_external_inp_buf not in (-1, 0, 1) or type(use_external_inp_buf) not in (int, bool):
+            raise bad_value(
+                func, "use_external_inp_buf", use_external_inp_buf, "-1 (config), 0/False or 1/True"
+            )
+        external = (
+            self.config.use_external_inp_buf if use_external_inp_buf == -1 else bool(use_external_inp_buf)
+        )
+        total = handle.num_recv
+        input = self._tensor(func, "input", input, COMBINE_DTYPES, 2)
+        h = input.shape[1]
+        if input.shape[0] < total:
+            raise bad_value(func, "input.shape[0]", input.shape[0], f">= total_recv = {total}")
+        if h > self.config.hidden_dim or h * input.element_size() > self._row_bytes:
+            raise bad_value(func, "input.shape[1]", h, f"at most hidden_dim = {self.config.hidden_dim}")
+        if input.stride(1) != 1:
+            raise bad_value(func, "input.stride()", input.stride(), "rows with contiguous elements")
+        if not external and input.data_ptr() != self._comb_inp.data_ptr():
+            raise bad_value(
+                func,
+                "input",
+                "a tensor outside the registered buffer",
+                "the tensor from get_registered_combine_input_buffer() when use_external_inp_buf is False",
+            )
+        if weights is not None:
+            weights = self._tensor(func, "weights", weights, (torch.float32,), 2)
+            if weights.shape[0] < total or weights.shape[1] != self._k:
+                raise bad_value(
+                    func, "weights.shape", list(weights.shape), f"[>= {total}, {self._k}] or None"
+                )
+        self._check_indices(func, indices, handle.num_tokens)
+
+        # push each received row to its source rank's staging buffer at [this rank, source token]
+        w, rank = self.world_size, self.rank
+        nb = h * input.element_size()
+        span = w * self._m
+        pos = handle.recv_src_pos[:total].long()
+        src_rank, src_tok = pos // span, pos % span
+        inp_b = input[:total].view(torch.uint8)
+        self._comb_epoch += 1
+        self._signal_all(3 * w + 2)  # our staging buffer is free: the previous combine was summed
+        self._wait_all(func, 3 * w + 2, self._comb_epoch)
+        for p in range(w):
+            rows = (src_rank == p).nonzero().flatten()
+            if rows.numel() == 0:
+                continue
+            toks = src_tok[rows]
+            self._p_stage_tok[p][rank, :, :nb][toks] = inp_b[rows]
+            if weights is not None:
+                self._p_stage_w[p][rank][toks] = weights[rows]
+        self._signal_all(w)
+        out = torch.zeros(self._m, h, dtype=input.dtype)
+        out_w = None if weights is None else torch.zeros(self._m, self._k, dtype=torch.float32)
+        self._pending_combine = {"epoch": self._comb_epoch, "handle": handle, "out": out, "out_w": out_w}
+        if self.config.kernel_type != KT.AsyncLL:
+            self._combine_recv(func)
+        return out, out_w
+
+    #: the original's name for the send half; the same call as :meth:`combine`
+    combine_send = combine
+
+    def combine_recv(self, block_num: int = -1, warp_per_block: int = -1) -> None:
+        """AsyncLL only: wait for every rank's combine and fill the outputs of :meth:`combine_send`."""
+        func = "EpDispatchCombineOp.combine_recv"
+        self._async_only(func)
+        self._launch_args(func, block_num=block_num, warp_per_block=warp_per_block)
+        if self._pending_combine is None:
+            raise MoriStateError(f"{func}: no combine was sent; call combine_send first")
+        self._combine_recv(func)
+
+    def _combine_recv(self, func: str) -> None:
+        pend = self._pending_combine
+        assert pend is not None
+        self._pending_combine = None
+        self._wait_all(func, self.world_size, pend["epoch"])
+        handle: EpDispatchRoutingHandle = pend["handle"]
+        out, out_w = pend["out"], pend["out_w"]
+        n, h = handle.num_tokens, out.shape[1]
+        nb = h * out.element_size()
+        acc = torch.zeros(n, h, dtype=torch.float32)
+        acc_w = None if out_w is None else torch.zeros(n, self._k, dtype=torch.float32)
+        for p in range(self.world_size):  # fixed order: the sum is deterministic
+            toks = (handle.dest_slot[p, :n] >= 0).nonzero().flatten()
+            if toks.numel() == 0:
+                continue
+            acc.index_add_(0, toks, self._stage_tok[p, :, :nb][toks].view(out.dtype).float())
+            if acc_w is not None:
+                acc_w.index_add_(0, toks, self._stage_w[p][toks])
+        out[:n] = acc.to(out.dtype)
+        if out_w is not None and acc_w is not None:
+            out_w[:n] = acc_w
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    def get_dispatch_src_token_pos(self) -> torch.Tensor:
+        """int32 [total_recv]: flat source position ``src_rank * world_size * M + src_tok`` of each
+        received row of the last dispatch (decode with :meth:`decode_send_flat_idx`)."""
+        if self._last is None or self._pending_dispatch is not None:
+            raise MoriStateError("EpDispatchCombineOp.get_dispatch_src_token_pos: no finished dispatch")
+        return self._last.recv_src_pos.clone()
+
+    def decode_send_flat_idx(self, pos: Any) -> tuple[Any, Any]:
+        """Flat source position (int or int tensor) -> ``(src_rank, src_tok)``."""
+        span = self.world_size * self._m
+        if isinstance(pos, torch.Tensor):
+            if pos.dtype.is_floating_point or pos.dtype == torch.bool:
+                raise MoriTypeError(
+                    f"EpDispatchCombineOp.decode_send_flat_idx: pos has dtype {pos.dtype}; expected an int tensor"
+                )
+            return pos // span, pos % span
+        if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < span:
+            raise bad_value("EpDispatchCombineOp.decode_send_flat_idx", "pos", pos, f"an int in [0, {span})")
+        return pos // span, pos % span
