@@ -2,47 +2,22 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from mori.testing.plugin_install import install_plugin
+from mori.testing.plugin_install import run_installed as _run
 
 PACKAGE = Path(__file__).parent.parent
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """mori-backend-nvlink installed with pip into a directory of its own."""
-    pytest.importorskip("hatchling", reason="installing the plugin without build isolation needs hatchling")
-    target = tmp_path_factory.mktemp("site")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "--target",
-            str(target),
-            str(PACKAGE),
-        ],
-        check=True,
-    )
-    yield target
-
-
-def _run(site: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("MORI_")},
-        **(env or {}),
-        "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
-    }
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=full, timeout=120)
+    return install_plugin(PACKAGE, tmp_path_factory.mktemp("site"))
 
 
 def _cuda_usable() -> bool:

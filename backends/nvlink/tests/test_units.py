@@ -8,11 +8,11 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from mori_backend_nvlink import _dlpack
 from mori_backend_nvlink.driver import CudaDriver, CudaError
 from mori_backend_nvlink.handles import KIND_HEAP, KIND_RANGE, SIZE, PciAddress, SegmentHandle
 
 from mori.core.errors import MoriBackendError, MoriValueError
+from mori.core.gpu import dlpack as _dlpack
 
 # -- handles ------------------------------------------------------------------------------------------
 

@@ -8,11 +8,12 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from mori_backend_xgmi import _dlpack, driver
+from mori_backend_xgmi import driver
 from mori_backend_xgmi.driver import HipDriver, HipError
 from mori_backend_xgmi.handles import KIND_HEAP, KIND_RANGE, SIZE, PciAddress, SegmentHandle
 
 from mori.core.errors import MoriBackendError, MoriValueError
+from mori.core.gpu import dlpack as _dlpack
 
 # -- handles ------------------------------------------------------------------------------------------
 

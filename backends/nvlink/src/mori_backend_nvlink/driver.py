@@ -8,18 +8,20 @@ with its C prototype; every call is checked, and a result other than ``CUDA_SUCC
 :class:`CudaError` naming the call, the ``CUresult`` name and the driver's description of it.
 
 Prototypes are those of ``cuda.h`` (CUDA 12/13); the ``_v2`` names are the ones the header's
-macros map the plain names to (``cuMemAlloc`` -> ``cuMemAlloc_v2``, ...).
+macros map the plain names to (``cuMemAlloc`` -> ``cuMemAlloc_v2``, ...). The checked-call plumbing
+and the calls alike for CUDA and HIP are :class:`mori.core.gpu.driver.CtypesDriver`'s.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_ubyte, c_uint, c_uint64, c_void_p
-from typing import Any
+from typing import Any, ClassVar
 
 from mori.core.errors import MoriBackendError
+from mori.core.gpu.driver import CtypesDriver, GpuError, IpcMemHandle
 
 __all__ = ["CudaDriver", "CudaError", "IpcMemHandle", "load_driver"]
 
@@ -31,8 +33,6 @@ CUDA_ERROR_OUT_OF_MEMORY = 2
 CUDA_ERROR_NO_DEVICE = 100
 CUDA_ERROR_NOT_READY = 600
 
-#: bytes of a CUipcMemHandle
-IPC_HANDLE_SIZE = 64
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
 CU_STREAM_NON_BLOCKING = 0x1
 CU_EVENT_DISABLE_TIMING = 0x2
@@ -66,12 +66,6 @@ _RESULT_NAMES = {
     801: "CUDA_ERROR_NOT_SUPPORTED",
     999: "CUDA_ERROR_UNKNOWN",
 }
-
-
-class IpcMemHandle(ctypes.Structure):
-    """``CUipcMemHandle``: 64 opaque bytes, passed by value to ``cuIpcOpenMemHandle``."""
-
-    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_SIZE)]
 
 
 _P = POINTER
@@ -115,64 +109,64 @@ PROTOTYPES: dict[str, Sequence[Any]] = {
 _FALLBACKS = {"cuIpcOpenMemHandle_v2": ("cuIpcOpenMemHandle",)}
 
 
-class CudaError(MoriBackendError):
+class CudaError(GpuError):
     """A CUDA driver call failed. ``call``: the function, ``code``: the CUresult, ``result``: its name."""
 
-    def __init__(self, call: str, code: int, result: str, description: str, detail: str = "") -> None:
-        message = f"{call} failed: {result} ({code}): {description}"
-        super().__init__(f"{message} ({detail})" if detail else message)
-        self.call = call
-        self.code = code
-        self.result = result
-        self.description = description
 
-
-class CudaDriver:
+class CudaDriver(CtypesDriver):
     """The CUDA driver API as Python methods. ``lib``: ``ctypes.CDLL`` of libcuda, or a fake with
-    the same function names (tests); ``path``: where it came from, for messages."""
+    the same function names (tests); ``path``: where it came from, for messages. The calls alike
+    for every vendor are :class:`~mori.core.gpu.driver.CtypesDriver`'s, named by ``NAMES``."""
+
+    NAMES: ClassVar[dict[str, str]] = {
+        "init": "cuInit",
+        "version": "cuDriverGetVersion",
+        "device_count": "cuDeviceGetCount",
+        "can_access_peer": "cuDeviceCanAccessPeer",
+        "pointer_attribute": "cuPointerGetAttribute",
+        "synchronize": "cuCtxSynchronize",
+        "free": "cuMemFree_v2",
+        "memset": "cuMemsetD8Async",
+        "address_range": "cuMemGetAddressRange_v2",
+        "host_alloc": "cuMemHostAlloc",
+        "host_device_pointer": "cuMemHostGetDevicePointer_v2",
+        "host_free": "cuMemFreeHost",
+        "ipc_get": "cuIpcGetMemHandle",
+        "ipc_open": "cuIpcOpenMemHandle_v2",
+        "ipc_close": "cuIpcCloseMemHandle",
+        "stream_create": "cuStreamCreate",
+        "stream_destroy": "cuStreamDestroy_v2",
+        "stream_synchronize": "cuStreamSynchronize",
+        "stream_wait_event": "cuStreamWaitEvent",
+        "event_create": "cuEventCreate",
+        "event_record": "cuEventRecord",
+        "event_query": "cuEventQuery",
+        "event_synchronize": "cuEventSynchronize",
+        "event_destroy": "cuEventDestroy_v2",
+        "error_name": "cuGetErrorName",
+        "error_string": "cuGetErrorString",
+    }
+    PROTOTYPES = PROTOTYPES
+    FALLBACKS = _FALLBACKS
+    RESULT_NAMES = _RESULT_NAMES
+    RESULT_TYPE = "CUresult"
+    NO_DESCRIPTION = "no description from the driver"
+    TOO_OLD = "the CUDA driver is too old for mori-backend-nvlink (needs CUDA 12 or newer)"
+    ERROR = CudaError
+    SUCCESS = CUDA_SUCCESS
+    NOT_READY = CUDA_ERROR_NOT_READY
+    PTR = c_uint64
+    POINTER_ATTRIBUTE_DEVICE_ORDINAL = CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    HOST_ALLOC_FLAGS = CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP
+    IPC_LAZY_ENABLE_PEER_ACCESS = CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+    STREAM_NON_BLOCKING = CU_STREAM_NON_BLOCKING
+    EVENT_DISABLE_TIMING = CU_EVENT_DISABLE_TIMING
 
     def __init__(self, lib: Any, path: str = DEFAULT_LIBRARY) -> None:
-        self.lib = lib
-        self.path = path
-        self._fns: dict[str, Callable[..., int]] = {}
-        self._bind_lock = threading.Lock()
-        self._initialised = False
-
-    # -- plumbing ---------------------------------------------------------------------------------
-
-    def _fn(self, name: str) -> Callable[..., int]:
-        fn = self._fns.get(name)
-        if fn is not None:
-            return fn
-        with self._bind_lock:
-            for candidate in (name, *_FALLBACKS.get(name, ())):
-                try:
-                    found = getattr(self.lib, candidate)
-                except AttributeError:
-                    continue
-                if hasattr(found, "argtypes"):  # a function of a real library: give it its prototype
-                    found.argtypes = list(PROTOTYPES[name])
-                    found.restype = c_int
-                self._fns[name] = found
-                return found  # type: ignore[no-any-return]
-        raise MoriBackendError(
-            f"{self.path} has no function {name}: the CUDA driver is too old for mori-backend-nvlink "
-            f"(needs CUDA 12 or newer)"
-        )
-
-    def call(self, name: str, *args: Any, detail: str = "") -> None:
-        """Call ``name(*args)``; raise :class:`CudaError` unless it returns CUDA_SUCCESS."""
-        code = int(self._fn(name)(*args))
-        if code != CUDA_SUCCESS:
-            raise self.error(name, code, detail)
-
-    def result_name(self, code: int) -> str:
-        text = self._error_text("cuGetErrorName", code)
-        return text or _RESULT_NAMES.get(code, f"CUresult {code}")
+        super().__init__(lib, path)
 
     def error(self, call: str, code: int, detail: str = "") -> CudaError:
-        description = self._error_text("cuGetErrorString", code) or "no description from the driver"
-        return CudaError(call, code, self.result_name(code), description, detail)
+        return super().error(call, code, detail)  # type: ignore[return-value]
 
     def _error_text(self, fn: str, code: int) -> str:
         out = c_char_p()
@@ -183,24 +177,7 @@ class CudaDriver:
             return ""
         return out.value.decode(errors="replace")
 
-    # -- driver and devices ---------------------------------------------------------------------------
-
-    def init(self) -> None:
-        """``cuInit(0)``, once per driver object."""
-        if not self._initialised:
-            self.call("cuInit", 0)
-            self._initialised = True
-
-    def version(self) -> int:
-        """Driver version as CUDA numbers it: 1000 * major + 10 * minor (13000 = 13.0)."""
-        out = c_int()
-        self.call("cuDriverGetVersion", byref(out))
-        return out.value
-
-    def device_count(self) -> int:
-        out = c_int()
-        self.call("cuDeviceGetCount", byref(out))
-        return out.value
+    # -- devices and contexts -----------------------------------------------------------------------
 
     def device(self, ordinal: int) -> int:
         out = c_int()
@@ -211,19 +188,6 @@ class CudaDriver:
         buf = ctypes.create_string_buffer(64)
         self.call("cuDeviceGetPCIBusId", buf, len(buf), device)
         return buf.value.decode()
-
-    def can_access_peer(self, device: int, peer: int) -> bool:
-        out = c_int()
-        self.call("cuDeviceCanAccessPeer", byref(out), device, peer)
-        return bool(out.value)
-
-    def pointer_device(self, ptr: int) -> int:
-        """Ordinal of the device that ``ptr`` was allocated on."""
-        out = c_int()
-        self.call("cuPointerGetAttribute", byref(out), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
-        return out.value
-
-    # -- contexts ---------------------------------------------------------------------------------
 
     def primary_context_retain(self, device: int) -> int:
         out = c_void_p()
@@ -238,9 +202,11 @@ class CudaDriver:
     def set_current_context(self, ctx: int) -> None:
         self.call("cuCtxSetCurrent", ctx or None)
 
-    def synchronize(self) -> None:
-        """Wait for all work of the current context."""
-        self.call("cuCtxSynchronize")
+    def restore_context(self, prev: int) -> None:
+        """Make ``prev`` (from :meth:`current_context`) current again; a thread that had no context
+        keeps the one made current since: it is the one torch would pick."""
+        if prev:
+            self.set_current_context(prev)
 
     # -- memory -----------------------------------------------------------------------------------
 
@@ -249,94 +215,9 @@ class CudaDriver:
         self.call("cuMemAlloc_v2", byref(out), size, detail=f"{size} bytes")
         return out.value
 
-    def mem_free(self, ptr: int) -> None:
-        self.call("cuMemFree_v2", ptr)
-
-    def memset_async(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
-        self.call("cuMemsetD8Async", ptr, value, nbytes, stream or None)
-
-    def address_range(self, ptr: int) -> tuple[int, int]:
-        """(base, size) of the allocation that contains ``ptr``."""
-        base, size = c_uint64(), c_size_t()
-        self.call("cuMemGetAddressRange_v2", byref(base), byref(size), ptr, detail=f"address {ptr:#x}")
-        return base.value, size.value
-
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Copy between any two addresses of the unified address space, in stream order."""
         self.call("cuMemcpyAsync", dst, src, nbytes, stream or None)
-
-    def host_alloc(self, nbytes: int) -> int:
-        """Pinned host memory, mapped into every context's address space (portable, device-mapped)."""
-        out = c_void_p()
-        self.call("cuMemHostAlloc", byref(out), nbytes, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP)
-        return out.value or 0
-
-    def host_device_pointer(self, ptr: int) -> int:
-        out = c_uint64()
-        self.call("cuMemHostGetDevicePointer_v2", byref(out), ptr, 0)
-        return out.value
-
-    def host_free(self, ptr: int) -> None:
-        self.call("cuMemFreeHost", ptr)
-
-    # -- IPC --------------------------------------------------------------------------------------
-
-    def ipc_get_handle(self, ptr: int) -> bytes:
-        """The 64-byte IPC handle of the allocation whose base is ``ptr``."""
-        handle = IpcMemHandle()
-        self.call("cuIpcGetMemHandle", byref(handle), ptr, detail=f"address {ptr:#x}")
-        return ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_SIZE)
-
-    def ipc_open_handle(self, handle: bytes, *, detail: str = "") -> int:
-        """Map another process's allocation into the current context; peer access enabled lazily."""
-        h = IpcMemHandle()
-        ctypes.memmove(ctypes.addressof(h), handle, IPC_HANDLE_SIZE)
-        out = c_uint64()
-        self.call("cuIpcOpenMemHandle_v2", byref(out), h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, detail=detail)
-        return out.value
-
-    def ipc_close_handle(self, ptr: int) -> None:
-        self.call("cuIpcCloseMemHandle", ptr)
-
-    # -- streams and events -------------------------------------------------------------------------
-
-    def stream_create(self) -> int:
-        """A stream that does not synchronise with the legacy default stream."""
-        out = c_void_p()
-        self.call("cuStreamCreate", byref(out), CU_STREAM_NON_BLOCKING)
-        return out.value or 0
-
-    def stream_destroy(self, stream: int) -> None:
-        self.call("cuStreamDestroy_v2", stream or None)
-
-    def stream_synchronize(self, stream: int) -> None:
-        self.call("cuStreamSynchronize", stream or None)
-
-    def stream_wait_event(self, stream: int, event: int) -> None:
-        self.call("cuStreamWaitEvent", stream or None, event, 0)
-
-    def event_create(self) -> int:
-        out = c_void_p()
-        self.call("cuEventCreate", byref(out), CU_EVENT_DISABLE_TIMING)
-        return out.value or 0
-
-    def event_record(self, event: int, stream: int) -> None:
-        self.call("cuEventRecord", event, stream or None)
-
-    def event_query(self, event: int) -> bool:
-        """True if the work before the event has completed, False if it is still running."""
-        code = int(self._fn("cuEventQuery")(event))
-        if code == CUDA_ERROR_NOT_READY:
-            return False
-        if code != CUDA_SUCCESS:
-            raise self.error("cuEventQuery", code)
-        return True
-
-    def event_synchronize(self, event: int) -> None:
-        self.call("cuEventSynchronize", event)
-
-    def event_destroy(self, event: int) -> None:
-        self.call("cuEventDestroy_v2", event)
 
 
 _driver: CudaDriver | None = None

@@ -9,43 +9,21 @@ Otherwise it returns None and the next transport is tried.
 
 from __future__ import annotations
 
-from mori.core.backend import Availability, DeviceRuntime, PeerInfo, PeerSegment, Transport
+from mori.core.gpu.transport import GpuP2PTransport
 from mori_backend_nvlink.driver import CudaError
 from mori_backend_nvlink.runtime import CudaRuntime
 
 __all__ = ["P2PTransport"]
 
 
-class P2PTransport(Transport):
+class P2PTransport(GpuP2PTransport):
     name = "p2p"
     description = (
         "same-node GPU load/store (NVLink, PCIe peer access): each rank maps its peers' heaps (CUDA IPC)"
     )
-    priority = 200  # before the host-memory transports, which do not serve GPU heaps anyway
-    load_store = True
+    runtime_class = CudaRuntime
+    error_class = CudaError
+    ipc_name = "CUDA IPC"
 
     def __init__(self, runtime: CudaRuntime | None = None) -> None:
-        self._runtime = runtime or CudaRuntime()
-        #: peer rank -> why connect() returned None for it (diagnostics)
-        self.unreachable: dict[int, str] = {}
-
-    def probe(self) -> Availability:
-        return self._runtime.probe()
-
-    def connect(self, runtime: DeviceRuntime, me: PeerInfo, peer: PeerInfo) -> PeerSegment | None:
-        if not isinstance(runtime, CudaRuntime) or me.runtime != runtime.name or peer.runtime != runtime.name:
-            return None
-        if peer.node_id != me.node_id:
-            self.unreachable[peer.rank] = f"on node {peer.node_id}, not {me.node_id}"
-            return None
-        ok, why = runtime.can_reach(peer)
-        if not ok:
-            self.unreachable[peer.rank] = why
-            return None
-        try:
-            return runtime.open_peer_segment(peer)
-        except CudaError as e:
-            if "not visible" not in why:
-                raise
-            self.unreachable[peer.rank] = f"{why}, and CUDA IPC could not map it: {e}"
-            return None
+        super().__init__(runtime)

@@ -9,9 +9,10 @@ functions as attributes: the real library, or a fake in tests. Every call is che
 other than ``hipSuccess`` raises :class:`HipError` naming the call, the ``hipError_t`` name and
 HIP's description of it.
 
-The methods have the same names and meaning as mori-backend-nvlink's ``CudaDriver``, so the two
-runtimes read alike; HIP has no explicit contexts (the current device of the calling thread
-plays that part).
+The methods have the same names and meaning as mori-backend-nvlink's ``CudaDriver``, so one
+runtime (:class:`mori.core.gpu.runtime.GpuRuntime`) serves both; HIP has no explicit contexts (the
+current device of the calling thread plays that part). The checked-call plumbing and the calls
+alike for CUDA and HIP are :class:`mori.core.gpu.driver.CtypesDriver`'s.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_void_p
-from typing import Any
+from typing import Any, ClassVar
 
 from mori.core.errors import MoriBackendError
+from mori.core.gpu.driver import CtypesDriver, GpuError, IpcMemHandle
 
 __all__ = ["HipDriver", "HipError", "IpcMemHandle", "load_driver"]
 
@@ -34,8 +36,6 @@ HIP_SUCCESS = 0
 HIP_ERROR_NO_DEVICE = 100
 HIP_ERROR_NOT_READY = 600
 
-#: bytes of a hipIpcMemHandle_t
-IPC_HANDLE_SIZE = 64
 HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
 HIP_STREAM_NON_BLOCKING = 0x1
 HIP_EVENT_DISABLE_TIMING = 0x2
@@ -64,12 +64,6 @@ _RESULT_NAMES = {
     801: "hipErrorNotSupported",
     999: "hipErrorUnknown",
 }
-
-
-class IpcMemHandle(ctypes.Structure):
-    """``hipIpcMemHandle_t``: 64 opaque bytes, passed by value to ``hipIpcOpenMemHandle``."""
-
-    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_SIZE)]
 
 
 _P = POINTER
@@ -114,63 +108,67 @@ _STRING_RESULT = {"hipGetErrorName", "hipGetErrorString"}
 _FALLBACKS = {"hipHostMalloc": ("hipExtHostAlloc", "hipHostAlloc")}
 
 
-class HipError(MoriBackendError):
+class HipError(GpuError):
     """A HIP call failed. ``call``: the function, ``code``: the hipError_t, ``result``: its name."""
 
-    def __init__(self, call: str, code: int, result: str, description: str, detail: str = "") -> None:
-        message = f"{call} failed: {result} ({code}): {description}"
-        super().__init__(f"{message} ({detail})" if detail else message)
-        self.call = call
-        self.code = code
-        self.result = result
-        self.description = description
 
-
-class HipDriver:
+class HipDriver(CtypesDriver):
     """The HIP runtime API as Python methods. ``lib``: ``ctypes.CDLL`` of libamdhip64, or a fake
-    with the same function names (tests); ``path``: where it came from, for messages."""
+    with the same function names (tests); ``path``: where it came from, for messages. The calls
+    alike for every vendor are :class:`~mori.core.gpu.driver.CtypesDriver`'s, named by ``NAMES``.
+    HIP has no explicit contexts: the "context" methods the runtime uses get and set the calling
+    thread's current device."""
+
+    NAMES: ClassVar[dict[str, str]] = {
+        "init": "hipInit",
+        "version": "hipDriverGetVersion",
+        "device_count": "hipGetDeviceCount",
+        "can_access_peer": "hipDeviceCanAccessPeer",
+        "pointer_attribute": "hipPointerGetAttribute",
+        "synchronize": "hipDeviceSynchronize",
+        "free": "hipFree",
+        "memset": "hipMemsetAsync",
+        "address_range": "hipMemGetAddressRange",
+        "host_alloc": "hipHostMalloc",
+        "host_device_pointer": "hipHostGetDevicePointer",
+        "host_free": "hipHostFree",
+        "ipc_get": "hipIpcGetMemHandle",
+        "ipc_open": "hipIpcOpenMemHandle",
+        "ipc_close": "hipIpcCloseMemHandle",
+        "stream_create": "hipStreamCreateWithFlags",
+        "stream_destroy": "hipStreamDestroy",
+        "stream_synchronize": "hipStreamSynchronize",
+        "stream_wait_event": "hipStreamWaitEvent",
+        "event_create": "hipEventCreateWithFlags",
+        "event_record": "hipEventRecord",
+        "event_query": "hipEventQuery",
+        "event_synchronize": "hipEventSynchronize",
+        "event_destroy": "hipEventDestroy",
+        "error_name": "hipGetErrorName",
+        "error_string": "hipGetErrorString",
+    }
+    PROTOTYPES = PROTOTYPES
+    FALLBACKS = _FALLBACKS
+    STRING_RESULT = _STRING_RESULT
+    RESULT_NAMES = _RESULT_NAMES
+    RESULT_TYPE = "hipError_t"
+    NO_DESCRIPTION = "no description from HIP"
+    TOO_OLD = "the HIP runtime is too old for mori-backend-xgmi (needs ROCm 6 or newer)"
+    ERROR = HipError
+    SUCCESS = HIP_SUCCESS
+    NOT_READY = HIP_ERROR_NOT_READY
+    PTR = c_void_p
+    POINTER_ATTRIBUTE_DEVICE_ORDINAL = HIP_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    HOST_ALLOC_FLAGS = HIP_HOST_MALLOC_PORTABLE | HIP_HOST_MALLOC_MAPPED
+    IPC_LAZY_ENABLE_PEER_ACCESS = HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+    STREAM_NON_BLOCKING = HIP_STREAM_NON_BLOCKING
+    EVENT_DISABLE_TIMING = HIP_EVENT_DISABLE_TIMING
 
     def __init__(self, lib: Any, path: str = DEFAULT_LIBRARY) -> None:
-        self.lib = lib
-        self.path = path
-        self._fns: dict[str, Callable[..., Any]] = {}
-        self._bind_lock = threading.Lock()
-        self._initialised = False
-
-    # -- plumbing ---------------------------------------------------------------------------------
-
-    def _fn(self, name: str) -> Callable[..., Any]:
-        fn = self._fns.get(name)
-        if fn is not None:
-            return fn
-        with self._bind_lock:
-            for candidate in (name, *_FALLBACKS.get(name, ())):
-                try:
-                    found = getattr(self.lib, candidate)
-                except AttributeError:
-                    continue
-                if hasattr(found, "argtypes"):  # a function of a real library: give it its prototype
-                    found.argtypes = list(PROTOTYPES[name])
-                    found.restype = c_char_p if name in _STRING_RESULT else c_int
-                self._fns[name] = found
-                return found  # type: ignore[no-any-return]
-        raise MoriBackendError(
-            f"{self.path} has no function {name}: the HIP runtime is too old for mori-backend-xgmi "
-            f"(needs ROCm 6 or newer)"
-        )
-
-    def call(self, name: str, *args: Any, detail: str = "") -> None:
-        """Call ``name(*args)``; raise :class:`HipError` unless it returns hipSuccess."""
-        code = int(self._fn(name)(*args))
-        if code != HIP_SUCCESS:
-            raise self.error(name, code, detail)
-
-    def result_name(self, code: int) -> str:
-        return self._error_text("hipGetErrorName", code) or _RESULT_NAMES.get(code, f"hipError_t {code}")
+        super().__init__(lib, path)
 
     def error(self, call: str, code: int, detail: str = "") -> HipError:
-        description = self._error_text("hipGetErrorString", code) or "no description from HIP"
-        return HipError(call, code, self.result_name(code), description, detail)
+        return super().error(call, code, detail)  # type: ignore[return-value]
 
     def _error_text(self, fn: str, code: int) -> str:
         try:
@@ -181,24 +179,7 @@ class HipDriver:
             return ""
         return text.decode(errors="replace") if isinstance(text, bytes) else str(text)
 
-    # -- runtime and devices --------------------------------------------------------------------
-
-    def init(self) -> None:
-        """``hipInit(0)``, once per driver object."""
-        if not self._initialised:
-            self.call("hipInit", 0)
-            self._initialised = True
-
-    def version(self) -> int:
-        """Driver version as HIP numbers it (e.g. 60443483 for 6.4)."""
-        out = c_int()
-        self.call("hipDriverGetVersion", byref(out))
-        return out.value
-
-    def device_count(self) -> int:
-        out = c_int()
-        self.call("hipGetDeviceCount", byref(out))
-        return out.value
+    # -- devices (the current device plays the part of CUDA's context) ----------------------------
 
     def current_device(self) -> int:
         out = c_int()
@@ -208,25 +189,27 @@ class HipDriver:
     def set_device(self, device: int) -> None:
         self.call("hipSetDevice", device, detail=f"device {device}")
 
+    def device(self, ordinal: int) -> int:
+        """HIP names devices by ordinal: ``ordinal`` itself (no call)."""
+        return ordinal
+
     def pci_bus_id(self, device: int) -> str:
         buf = ctypes.create_string_buffer(64)
         self.call("hipDeviceGetPCIBusId", buf, len(buf), device, detail=f"device {device}")
         return buf.value.decode()
 
-    def can_access_peer(self, device: int, peer: int) -> bool:
-        out = c_int()
-        self.call("hipDeviceCanAccessPeer", byref(out), device, peer)
-        return bool(out.value)
+    def primary_context_retain(self, device: int) -> int:
+        """The device ordinal itself: what :meth:`set_current_context` makes current."""
+        return device
 
-    def pointer_device(self, ptr: int) -> int:
-        """Ordinal of the device that ``ptr`` was allocated on."""
-        out = c_int()
-        self.call("hipPointerGetAttribute", byref(out), HIP_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
-        return out.value
+    def current_context(self) -> int:
+        return self.current_device()
 
-    def synchronize(self) -> None:
-        """Wait for all work on the current device."""
-        self.call("hipDeviceSynchronize")
+    def set_current_context(self, ctx: int) -> None:
+        self.set_device(ctx)
+
+    def restore_context(self, prev: int) -> None:
+        self.set_device(prev)
 
     # -- memory -----------------------------------------------------------------------------------
 
@@ -241,94 +224,9 @@ class HipDriver:
             self.call("hipMalloc", byref(out), size, detail=f"{size} bytes")
         return out.value or 0
 
-    def mem_free(self, ptr: int) -> None:
-        self.call("hipFree", ptr)
-
-    def memset_async(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
-        self.call("hipMemsetAsync", ptr, value, nbytes, stream or None)
-
-    def address_range(self, ptr: int) -> tuple[int, int]:
-        """(base, size) of the allocation that contains ``ptr``."""
-        base, size = c_void_p(), c_size_t()
-        self.call("hipMemGetAddressRange", byref(base), byref(size), ptr, detail=f"address {ptr:#x}")
-        return base.value or 0, size.value
-
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Copy between any two addresses of the unified address space, in stream order."""
         self.call("hipMemcpyAsync", dst, src, nbytes, HIP_MEMCPY_DEFAULT, stream or None)
-
-    def host_alloc(self, nbytes: int) -> int:
-        """Pinned host memory, mapped into every device's address space."""
-        out = c_void_p()
-        self.call("hipHostMalloc", byref(out), nbytes, HIP_HOST_MALLOC_PORTABLE | HIP_HOST_MALLOC_MAPPED)
-        return out.value or 0
-
-    def host_device_pointer(self, ptr: int) -> int:
-        out = c_void_p()
-        self.call("hipHostGetDevicePointer", byref(out), ptr, 0)
-        return out.value or 0
-
-    def host_free(self, ptr: int) -> None:
-        self.call("hipHostFree", ptr)
-
-    # -- IPC --------------------------------------------------------------------------------------
-
-    def ipc_get_handle(self, ptr: int) -> bytes:
-        """The 64-byte IPC handle of the allocation whose base is ``ptr``."""
-        handle = IpcMemHandle()
-        self.call("hipIpcGetMemHandle", byref(handle), ptr, detail=f"address {ptr:#x}")
-        return ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_SIZE)
-
-    def ipc_open_handle(self, handle: bytes, *, detail: str = "") -> int:
-        """Map another process's allocation on the current device; peer access enabled lazily."""
-        h = IpcMemHandle()
-        ctypes.memmove(ctypes.addressof(h), handle, IPC_HANDLE_SIZE)
-        out = c_void_p()
-        self.call("hipIpcOpenMemHandle", byref(out), h, HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, detail=detail)
-        return out.value or 0
-
-    def ipc_close_handle(self, ptr: int) -> None:
-        self.call("hipIpcCloseMemHandle", ptr)
-
-    # -- streams and events -------------------------------------------------------------------------
-
-    def stream_create(self) -> int:
-        """A stream that does not synchronise with the null stream."""
-        out = c_void_p()
-        self.call("hipStreamCreateWithFlags", byref(out), HIP_STREAM_NON_BLOCKING)
-        return out.value or 0
-
-    def stream_destroy(self, stream: int) -> None:
-        self.call("hipStreamDestroy", stream or None)
-
-    def stream_synchronize(self, stream: int) -> None:
-        self.call("hipStreamSynchronize", stream or None)
-
-    def stream_wait_event(self, stream: int, event: int) -> None:
-        self.call("hipStreamWaitEvent", stream or None, event, 0)
-
-    def event_create(self) -> int:
-        out = c_void_p()
-        self.call("hipEventCreateWithFlags", byref(out), HIP_EVENT_DISABLE_TIMING)
-        return out.value or 0
-
-    def event_record(self, event: int, stream: int) -> None:
-        self.call("hipEventRecord", event, stream or None)
-
-    def event_query(self, event: int) -> bool:
-        """True if the work before the event has completed, False if it is still running."""
-        code = int(self._fn("hipEventQuery")(event))
-        if code == HIP_ERROR_NOT_READY:
-            return False
-        if code != HIP_SUCCESS:
-            raise self.error("hipEventQuery", code)
-        return True
-
-    def event_synchronize(self, event: int) -> None:
-        self.call("hipEventSynchronize", event)
-
-    def event_destroy(self, event: int) -> None:
-        self.call("hipEventDestroy", event)
 
 
 def _loaded_hip() -> str | None:

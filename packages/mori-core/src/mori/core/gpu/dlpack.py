@@ -1,12 +1,12 @@
 """Zero-copy torch tensors over raw addresses, through a DLPack capsule built with ctypes.
 
 Why not ``__cuda_array_interface__``: torch places such a tensor on the device that
-``hipPointerGetAttributes`` reports for the pointer, which for a peer GPU's memory mapped with
-HIP IPC is the *peer's* device; asking for this rank's device then copies. A DLPack tensor names
-its device explicitly and torch trusts it (``at::fromDLPack`` passes the device to ``from_blob``;
-a ROCm build of torch takes ``kDLROCM`` as its ``cuda`` device type), so a view of a peer's heap
-is a tensor on this rank's GPU that reads and writes the peer's memory over xGMI, which is what
-kernels on this GPU need.
+``cudaPointerGetAttributes``/``hipPointerGetAttributes`` reports for the pointer, which for a peer
+GPU's memory mapped with IPC is the *peer's* device; asking for this rank's device then copies. A
+DLPack tensor names its device explicitly and torch trusts it (``at::fromDLPack`` passes the device
+to ``from_blob``; a ROCm build of torch takes ``kDLROCM`` as its ``cuda`` device type), so a view of
+a peer's heap is a tensor on this rank's GPU that reads and writes the peer's memory over NVLink or
+xGMI, which is what kernels on this GPU need. The device type code is the caller's (``KDL_*``).
 
 The managed tensor and its shape array live in ``_alive`` until torch calls the deleter (with the
 GIL held) when the tensor's storage goes away.

@@ -2,8 +2,8 @@
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 """The host's atomics on GPU memory: one system-scope atomic per launch, run by the GPU.
 
-The host cannot do read-modify-writes on device memory itself, so :meth:`CudaRuntime.atomic_rmw`
-launches :func:`host_atomic_kernel` with one program on the runtime's own stream and waits for it.
+The host cannot do read-modify-writes on device memory itself, so :meth:`GpuRuntime.atomic_rmw
+<mori.core.gpu.runtime.GpuRuntime.atomic_rmw>` launches :func:`host_atomic_kernel` with one program on the runtime's own stream and waits for it.
 Imported only when the first host atomic runs (it imports Triton).
 """
 
