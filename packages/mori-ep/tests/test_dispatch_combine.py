@@ -7,6 +7,7 @@ against its source without extra communication. One launch per world size runs a
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -110,13 +111,17 @@ def _check_dispatch(
 
 
 def _check_combine(
-    op: EpDispatchCombineOp, got: tuple[Any, ...], mine: dict[str, Any], cdtype: torch.dtype
+    op: EpDispatchCombineOp,
+    got: tuple[Any, ...],
+    mine: dict[str, Any],
+    cdtype: torch.dtype,
+    tol: float | None = None,
 ) -> None:
     out, out_w = got
     n, world = mine["n"], op.world_size
     assert out.shape == (M, H) and out.dtype == cdtype
     expect = reference_combine(mine["x"].to(cdtype), mine["idx"], E_LOCAL, world)
-    tol = TOL[cdtype]
+    tol = TOL[cdtype] if tol is None else tol
     torch.testing.assert_close(out[:n].float(), expect, rtol=tol, atol=tol)
     u = dest_ranks(mine["idx"], E_LOCAL, world).sum(1, dtype=torch.float32)
     if out_w is not None:
@@ -224,6 +229,96 @@ def _replay(rank: int, world: int) -> None:
     _check_combine(op, got, new, torch.bfloat16)
 
 
+def _quant_round(op: EpDispatchCombineOp, seed: int, tol: float, *, big: bool = False) -> None:
+    """bf16 dispatch -> identity experts -> quantised bf16 combine; ``big``: every other token x100
+    (values far above the fp8 maximum of 448, so blockwise must scale their blocks)."""
+    rank, world = op.rank, op.world_size
+    all_in = [_inputs(seed, s, world, "random", torch.bfloat16, K) for s in range(world)]
+    if big:
+        for d in all_in:
+            d["x"][::2] = d["x"][::2] * 100
+    me = all_in[rank]
+    outs = op.dispatch(me["x"], me["w"], me["s"], me["idx"])
+    if op.config.kernel_type == KT.AsyncLL:
+        op.dispatch_recv()
+    total = _check_dispatch(op, outs, all_in)
+    if op.config.kernel_type == KT.AsyncLL:
+        got = op.combine_send(outs[0][:total].clone(), outs[1][:total].clone(), me["idx"])
+        op.combine_recv()
+    else:
+        got = op.combine(outs[0][:total], outs[1], me["idx"])
+    _check_combine(op, got, me, torch.bfloat16, tol)
+    if big and me["n"]:
+        assert float(got[0][: me["n"]].float().abs().max()) > 448, "large values were not kept"
+
+
+def _quant(rank: int, world: int) -> str:
+    # MORI_FP8_COMBINE_SCALE_DIM=4 (set by the test): blocks of H / 4 = 32 elements
+    # fp8_direct_cast: the staging buffer holds fp8 (one byte per element)
+    dc = EpDispatchCombineOp(_config(rank, world, quant_type="fp8_direct_cast"))
+    assert dc._stage_tok.shape[-1] == H and dc._stage_sc is None
+    for it in range(3):
+        _quant_round(dc, 80 + it, 1e-1)
+    # fp8_blockwise: fp8 rows plus 4 fp32 scales per row; rows far above 448 survive
+    bw = EpDispatchCombineOp(_config(rank, world, quant_type="fp8_blockwise"))
+    assert bw._stage_tok.shape[-1] == H
+    assert bw._stage_sc is not None and bw._stage_sc.shape[-1] == 4
+    for it in range(3):
+        _quant_round(bw, 85 + it, 7e-2, big=it > 0)
+    for kt in (KT.IntraNodeLL, KT.AsyncLL):
+        for quant in ("fp8_direct_cast", "fp8_blockwise"):
+            op = EpDispatchCombineOp(_config(rank, world, kernel_type=kt, quant_type=quant))
+            _quant_round(op, 90, 1e-1 if quant == "fp8_direct_cast" else 7e-2, big=quant == "fp8_blockwise")
+
+    # error paths: raised before anything is sent, so every rank raises and the ops stay usable
+    me = _inputs(95, rank, world, "random", torch.bfloat16, K)
+    for op in (dc, bw):
+        outs = op.dispatch(me["x"], me["w"], None, me["idx"])
+        total = int(outs[4][0])
+        for dtype in (torch.float16, torch.float32):
+            with pytest.raises(MoriValueError, match=r"input\.dtype=torch\.float(16|32) .*bfloat16"):
+                op.combine(outs[0][:total].to(dtype), None, me["idx"])
+        buf = op.get_registered_combine_input_buffer(torch.bfloat16)
+        buf[:total] = outs[0][:total]
+        with pytest.raises(MoriValueError, match=r"use_external_inp_buf=False .*zero-copy"):
+            op.combine(buf, None, me["idx"], use_external_inp_buf=False)
+        op.combine(buf, None, me["idx"])  # the registered buffer is fine as an external input
+    with pytest.raises(MoriValueError, match=r"input\.shape\[1\]=16 .*block of 32"):
+        bw.combine(torch.zeros(M * world, 16).bfloat16(), None, me["idx"])
+    for quant in ("fp8_direct_cast", "fp8_blockwise"):
+        with pytest.raises(MoriValueError, match=r"config\.use_external_inp_buf=False .*True"):
+            EpDispatchCombineOp(_config(rank, world, quant_type=quant, use_external_inp_buf=False))
+    saved = os.environ.get("MORI_FP8_COMBINE_SCALE_DIM")
+    try:
+        for bad in ("5", "0", "-4", "abc", "256"):
+            os.environ["MORI_FP8_COMBINE_SCALE_DIM"] = bad
+            with pytest.raises(MoriValueError, match=f"MORI_FP8_COMBINE_SCALE_DIM={bad!r}.*divides"):
+                EpDispatchCombineOp(_config(rank, world, quant_type="fp8_blockwise"))
+        # default 56: H = 128 is not a multiple, H = 112 is (blocks of 2)
+        del os.environ["MORI_FP8_COMBINE_SCALE_DIM"]
+        with pytest.raises(MoriValueError, match=r"MORI_FP8_COMBINE_SCALE_DIM=56 .*hidden_dim = 128"):
+            EpDispatchCombineOp(_config(rank, world, quant_type="fp8_blockwise"))
+        op = EpDispatchCombineOp(_config(rank, world, quant_type="fp8_blockwise", hidden_dim=112))
+        assert op._stage_sc is not None and op._stage_sc.shape[-1] == 56
+        x = torch.full((2, 112), 1000.0).bfloat16()
+        idx = torch.full((2, K), rank * E_LOCAL, dtype=torch.int32)
+        outs = op.dispatch(x, None, None, idx)
+        total = int(outs[4][0])
+        got = op.combine(outs[0][:total], None, idx)
+        torch.testing.assert_close(got[0][:2].float(), x.float(), rtol=7e-2, atol=7e-2)
+        # the variable is read when an op is built, not at each call
+        os.environ["MORI_FP8_COMBINE_SCALE_DIM"] = "5"
+        outs = op.dispatch(x, None, None, idx)
+        op.combine(outs[0][: int(outs[4][0])], None, idx)
+    finally:
+        if saved is None:
+            os.environ.pop("MORI_FP8_COMBINE_SCALE_DIM", None)
+        else:
+            os.environ["MORI_FP8_COMBINE_SCALE_DIM"] = saved
+    shmem.shmem_barrier_all()
+    return "ok"
+
+
 def _errors(rank: int, world: int) -> str:
     with pytest.raises(MoriValueError, match="world_size"):
         EpDispatchCombineOp(_config(0, world + 1))
@@ -233,7 +328,7 @@ def _errors(rank: int, world: int) -> str:
         with pytest.raises(MoriBackendError, match="not available without a network transport"):
             EpDispatchCombineOp(_config(rank, world, kernel_type=kt))
     with pytest.raises(MoriBackendError, match="quant_type"):
-        EpDispatchCombineOp(_config(rank, world, quant_type="fp8_direct_cast"))
+        EpDispatchCombineOp(_config(rank, world, quant_type="fp4_blockwise"))
     op = EpDispatchCombineOp(_config(rank, world))
     x, w, s = torch.randn(3, H).bfloat16(), torch.rand(3, K), torch.randn(3, SCALE_DIM)
     idx = torch.zeros(3, K, dtype=torch.int32)
@@ -314,6 +409,11 @@ def test_async_ll_split(world: int) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_routing_handle_replay(world: int) -> None:
     shmem_ranks(_replay, world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_combine_fp8_wire_quantisation(world: int) -> None:
+    assert shmem_ranks(_quant, world, env={"MORI_FP8_COMBINE_SCALE_DIM": "4"}) == ["ok"] * world
 
 
 def test_error_paths() -> None:

@@ -21,6 +21,13 @@ staging buffer at ``[r, t]``; after every peer signalled, rank ``s`` sums, in fp
 of each token over its distinct destination ranks and casts once to the input dtype. Combine is
 an unweighted sum: gating weights are the expert side's business.
 
+Combine wire quantisation (``config.quant_type``, bf16 combine input, not zero-copy): with
+``fp8_direct_cast`` each row is cast (saturating) to float8_e4m3fn before it is stored, so the
+staging buffer holds fp8; with ``fp8_blockwise`` each row is cut into ``MORI_FP8_COMBINE_SCALE_DIM``
+blocks (default 56, read when the op is built), a block whose max ``|x|`` exceeds 448 is divided by
+``max|x| / 448`` first, and the fp32 scales travel with the row. The source dequantises, sums in
+fp32 and casts once to bf16.
+
 Overwrite safety: each call starts by telling every peer "my buffers are free" (an epoch signal)
 and writes into a peer's buffers only after that peer said so for this call. A dispatch's outputs
 therefore stay valid until this rank's next dispatch, and a combine's staging rows until it has
@@ -29,6 +36,7 @@ summed them, even when several dispatches (routing handles for several layers) r
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,6 +76,34 @@ COMBINE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.
 
 def _names(dtypes: Sequence[torch.dtype]) -> str:
     return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+#: combine wire formats this runtime implements (``fp4_blockwise`` needs gfx950 fp4 support)
+COMBINE_QUANT_TYPES = ("none", "fp8_direct_cast", "fp8_blockwise")
+#: largest finite float8_e4m3fn value: the fp8 wire saturates there; blockwise scales map to it
+FP8_MAX = 448.0
+#: env var with the number of fp8_blockwise scales per row (read when an op is built)
+SCALE_DIM_ENV = "MORI_FP8_COMBINE_SCALE_DIM"
+DEFAULT_FP8_COMBINE_SCALE_DIM = 56
+
+
+def _fp8_combine_scale_dim(func: str, hidden_dim: int) -> int:
+    """Scales per row for fp8_blockwise combine, from :data:`SCALE_DIM_ENV` (default 56)."""
+    raw = os.environ.get(SCALE_DIM_ENV, "").strip()
+    if not raw:
+        value: Any = DEFAULT_FP8_COMBINE_SCALE_DIM
+    else:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = raw
+    if not isinstance(value, int) or value < 1 or hidden_dim % value != 0:
+        raise MoriValueError(
+            f"{func}: environment variable {SCALE_DIM_ENV}={raw or value!r} is not allowed with "
+            f"quant_type='fp8_blockwise'; expected a positive int that divides hidden_dim = {hidden_dim} "
+            f"(blocks of hidden_dim / {SCALE_DIM_ENV} elements; default {DEFAULT_FP8_COMBINE_SCALE_DIM})"
+        )
+    return value
 
 
 class EpDispatchRoutingHandle:
@@ -162,10 +198,25 @@ class EpDispatchCombineOp:
                 f"{func}: kernel_type {config.kernel_type.name} is not available without a network "
                 f"transport (RDMA); available here: {', '.join(k.name for k in _AVAILABLE)}"
             )
-        if config.quant_type != "none":
+        if config.quant_type not in COMBINE_QUANT_TYPES:
             raise MoriBackendError(
-                f"{func}: quant_type={config.quant_type!r} is not implemented on the CPU runtime; use 'none'"
+                f"{func}: quant_type={config.quant_type!r} is not implemented on the CPU runtime; use one "
+                f"of {', '.join(repr(q) for q in COMBINE_QUANT_TYPES)}"
             )
+        if config.quant_type != "none" and not config.use_external_inp_buf:
+            raise bad_value(
+                func,
+                "config.use_external_inp_buf",
+                False,
+                f"True with quant_type={config.quant_type!r} (wire quantisation needs the push combine, "
+                "not zero-copy)",
+            )
+        #: fp8_blockwise: scales per row (MORI_FP8_COMBINE_SCALE_DIM) and elements per block
+        self._quant_scale_dim = 0
+        self._quant_block = 0
+        if config.quant_type == "fp8_blockwise":
+            self._quant_scale_dim = _fp8_combine_scale_dim(func, config.hidden_dim)
+            self._quant_block = config.hidden_dim // self._quant_scale_dim
         npes, mype = shmem.shmem_npes(), shmem.shmem_mype()
         if config.world_size != npes:
             raise bad_value(func, "config.world_size", config.world_size, f"shmem_npes() = {npes}")
@@ -191,7 +242,9 @@ class EpDispatchCombineOp:
         self._recv_idx = create((r, k), torch.int32)
         self._recv_src = create((r,), torch.int32)
         self._comb_inp = create((r, self._row_bytes), torch.uint8)  # registered combine input
-        self._stage_tok = create((w, m, self._row_bytes), torch.uint8)
+        # combine staging: the wire format, sized for the quant type (fp8: one byte per element)
+        stage_bytes = self._row_bytes if config.quant_type == "none" else config.hidden_dim
+        self._stage_tok = create((w, m, stage_bytes), torch.uint8)
         self._stage_w = create((w, m, k), torch.float32)
         # control words: dispatch done [w], combine done [w], slot counters [2] (by parity),
         # dispatch ready [w], combine ready [w]
@@ -207,6 +260,10 @@ class EpDispatchCombineOp:
             self._stage_w,
             self._ctrl,
         ]
+        self._stage_sc: torch.Tensor | None = None  # fp8_blockwise: fp32 block scales of the rows
+        if self._quant_scale_dim:
+            self._stage_sc = create((w, m, self._quant_scale_dim), torch.float32)
+            self._symm.append(self._stage_sc)
         for t in self._symm:
             t.zero_()
 
@@ -217,6 +274,7 @@ class EpDispatchCombineOp:
         self._p_scales, self._p_idx = peers(self._recv_scales), peers(self._recv_idx)
         self._p_src = peers(self._recv_src)
         self._p_stage_tok, self._p_stage_w = peers(self._stage_tok), peers(self._stage_w)
+        self._p_stage_sc = None if self._stage_sc is None else peers(self._stage_sc)
 
         self._disp_epoch = 0
         self._comb_epoch = 0
@@ -622,7 +680,9 @@ class EpDispatchCombineOp:
 
         Args:
             input: [>= total_recv, H] expert outputs, row ``i`` for received row ``i`` (bf16, fp16
-                or fp32; may differ from the dispatch dtype). With zero-copy it must be the
+                or fp32; may differ from the dispatch dtype; bf16 only with a ``quant_type``
+                other than ``"none"``, and for ``fp8_blockwise`` ``H`` a multiple of the block,
+                ``hidden_dim / MORI_FP8_COMBINE_SCALE_DIM``). With zero-copy it must be the
                 tensor from :meth:`get_registered_combine_input_buffer`.
             weights: [>= total_recv, K] float32, summed back the same way; or None. Give it on
                 every rank or on none.
@@ -630,7 +690,7 @@ class EpDispatchCombineOp:
                 only its shape is checked.
             block_num, rdma_block_num, warp_per_block: launch geometry; validated, unused on CPU.
             use_external_inp_buf: -1 = the config's; 1/True: ``input`` is any tensor; 0/False:
-                zero-copy from the registered buffer.
+                zero-copy from the registered buffer (not allowed with wire quantisation).
             call_reset: accepted for compatibility; nothing needs resetting.
             routing: combine the dispatch this handle was made by (default: the last dispatch).
 
@@ -663,6 +723,14 @@ class EpDispatchCombineOp:
         external = (
             self.config.use_external_inp_buf if use_external_inp_buf == -1 else bool(use_external_inp_buf)
         )
+        quant = self.config.quant_type
+        if quant != "none" and not external:
+            raise bad_value(
+                func,
+                "use_external_inp_buf",
+                use_external_inp_buf,
+                f"-1 or 1/True with quant_type={quant!r} (no zero-copy combine with wire quantisation)",
+            )
         total = handle.num_recv
         input = self._tensor(func, "input", input, COMBINE_DTYPES, 2)
         h = input.shape[1]
@@ -679,6 +747,17 @@ class EpDispatchCombineOp:
                 "a tensor outside the registered buffer",
                 "the tensor from get_registered_combine_input_buffer() when use_external_inp_buf is False",
             )
+        if quant != "none":
+            if input.dtype != torch.bfloat16:
+                raise bad_value(func, "input.dtype", input.dtype, f"bfloat16 with quant_type={quant!r}")
+            if self._quant_block and h % self._quant_block:
+                raise bad_value(
+                    func,
+                    "input.shape[1]",
+                    h,
+                    f"a multiple of the fp8_blockwise block of {self._quant_block} elements "
+                    f"(hidden_dim / {SCALE_DIM_ENV})",
+                )
         if weights is not None:
             weights = self._tensor(func, "weights", weights, (torch.float32,), 2)
             if weights.shape[0] < total or weights.shape[1] != self._k:
@@ -693,7 +772,12 @@ class EpDispatchCombineOp:
         span = w * self._m
         pos = handle.recv_src_pos[:total].long()
         src_rank, src_tok = pos // span, pos % span
-        inp_b = input[:total].view(torch.uint8)
+        scales: torch.Tensor | None = None
+        if quant == "none":
+            inp_b = input[:total].view(torch.uint8)
+        else:  # the wire holds fp8 (one byte per element), plus fp32 block scales for blockwise
+            inp_b, scales = self._quantise(input[:total])
+            nb = h
         self._comb_epoch += 1
         self._signal_all(3 * w + 2)  # our staging buffer is free: the previous combine was summed
         self._wait_all(func, 3 * w + 2, self._comb_epoch)
@@ -703,6 +787,9 @@ class EpDispatchCombineOp:
                 continue
             toks = src_tok[rows]
             self._p_stage_tok[p][rank, :, :nb][toks] = inp_b[rows]
+            if scales is not None:
+                assert self._p_stage_sc is not None
+                self._p_stage_sc[p][rank, :, : scales.shape[1]][toks] = scales[rows]
             if weights is not None:
                 self._p_stage_w[p][rank][toks] = weights[rows]
         self._signal_all(w)
@@ -712,6 +799,24 @@ class EpDispatchCombineOp:
         if self.config.kernel_type != KT.AsyncLL:
             self._combine_recv(func)
         return out, out_w
+
+    def _quantise(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """bf16 rows -> (fp8 e4m3fn bytes [n, h] uint8, fp32 block scales [n, h / block] or None).
+
+        fp8_direct_cast: a saturating cast. fp8_blockwise: each block of ``hidden_dim /
+        MORI_FP8_COMBINE_SCALE_DIM`` elements whose max ``|x|`` exceeds 448 is divided by the
+        scale ``max|x| / 448`` (else 1) before the cast.
+        """
+        x = rows.float()
+        scales = None
+        if self._quant_block:
+            n, h = x.shape
+            blocks = x.view(n, h // self._quant_block, self._quant_block)
+            amax = blocks.abs().amax(dim=2)
+            scales = torch.where(amax > FP8_MAX, amax / FP8_MAX, torch.ones_like(amax))
+            x = (blocks / scales[:, :, None]).view(n, h)
+        q = x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return q.view(torch.uint8), scales
 
     #: the original's name for the send half; the same call as :meth:`combine`
     combine_send = combine
@@ -733,14 +838,23 @@ class EpDispatchCombineOp:
         handle: EpDispatchRoutingHandle = pend["handle"]
         out, out_w = pend["out"], pend["out_w"]
         n, h = handle.num_tokens, out.shape[1]
-        nb = h * out.element_size()
+        quant = self.config.quant_type
+        nb = h * out.element_size() if quant == "none" else h
         acc = torch.zeros(n, h, dtype=torch.float32)
         acc_w = None if out_w is None else torch.zeros(n, self._k, dtype=torch.float32)
         for p in range(self.world_size):  # fixed order: the sum is deterministic
             toks = (handle.dest_slot[p, :n] >= 0).nonzero().flatten()
             if toks.numel() == 0:
                 continue
-            acc.index_add_(0, toks, self._stage_tok[p, :, :nb][toks].view(out.dtype).float())
+            if quant == "none":
+                rows = self._stage_tok[p, :, :nb][toks].view(out.dtype).float()
+            else:  # dequantise the fp8 wire rows (and their block scales) to fp32
+                rows = self._stage_tok[p, :, :nb][toks].view(torch.float8_e4m3fn).float()
+                if self._stage_sc is not None:
+                    nblk = h // self._quant_block
+                    sc = self._stage_sc[p, :, :nblk][toks]
+                    rows = (rows.view(-1, nblk, self._quant_block) * sc[:, :, None]).view(-1, h)
+            acc.index_add_(0, toks, rows)
             if acc_w is not None:
                 acc_w.index_add_(0, toks, self._stage_w[p][toks])
         out[:n] = acc.to(out.dtype)
