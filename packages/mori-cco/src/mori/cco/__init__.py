@@ -17,29 +17,9 @@ Planned public names: ``Communicator``, ``UniqueId``, ``AllocatedMemory``, ``Reg
 
 from __future__ import annotations
 
-from typing import NoReturn
+from mori.core.placeholder import placeholder_getattr
 
 __all__: list[str] = []
 __status__ = "placeholder"
 
-_DISTRIBUTION = "mori-cco"
-_COMPONENT = "CCO"
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(_DISTRIBUTION)
-    except PackageNotFoundError:  # a source tree that is not installed
-        return "0+unknown"
-
-
-def __getattr__(name: str) -> NoReturn:
-    if name.startswith("_"):  # dunder probes (copy, inspect, pytest) get the ordinary error
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}", name=name)
-    raise AttributeError(
-        f"{__name__}.{name} is not available: {_DISTRIBUTION} {_version()} is a placeholder; "
-        f"the {_COMPONENT} component is not implemented yet (see the project's issues)",
-        name=name,
-    )
+__getattr__ = placeholder_getattr(__name__, "mori-cco", "CCO")
