@@ -1,0 +1,958 @@
+"""MoE dispatch/combine latency and bandwidth (DeepSeek-V3 shape) against torch all_to_all_single.
+
+``mori bench ep`` runs :class:`~mori.ep.EpDispatchCombineOp` on ``--ranks`` local ranks and, in the
+same run on the same inputs, the dispatch/combine a user would write without MORI:
+
+* **baseline dispatch** (:func:`a2a_dispatch`): per destination rank, the tokens with at least one
+  expert there (the same once-per-destination-rank rule as MORI); ``all_to_all_single`` of the
+  split sizes, then ``all_to_all_single`` of the token rows and of one packed row of metadata
+  (K weights, K expert ids, scales) with those splits. The counts exchange and the host sync that
+  reading the split sizes needs are part of its time.
+* **baseline combine** (:func:`a2a_combine`): the reverse ``all_to_all_single`` of the expert
+  outputs, then an fp32 ``index_add_`` over each token's destination ranks at the source.
+
+NCCL on GPUs (``--device cuda``), gloo on CPU ranks (``--device cpu``).
+
+Shapes: hidden 7168, top-8 of 256 experts, ``--tokens`` per rank (GPU default 4096 for throughput
+and 128 for latency; CPU default smaller). Routing: every token picks ``--topk`` distinct experts
+uniformly at random (seeded per rank). Dispatch dtypes: ``bf16``, and ``fp8`` = float8_e4m3fn with
+per-token scales of ``hidden / 128`` fp32 (one per 128 channels, DeepEP's fp8 format); combine is
+bf16 in both cases (the expert outputs are the dequantised received rows: identity experts, so the
+combined result is checked against ``x * U`` where ``U`` = the token's distinct destination ranks).
+
+Timing. GPU: dispatch alone and combine alone are each captured in a CUDA graph of ``--reps`` calls;
+one measurement = one graph replay between two CUDA events, started right after a device barrier
+(``shmem_barrier_on_stream``) so the ranks start together; time per call = elapsed / reps. If the
+capture fails on any rank, every rank times eager calls instead and the output says so. The
+baseline dispatch reads its split sizes on the host, so it cannot be captured: it is timed eagerly
+with events around ``--reps`` calls (its host syncs included); the baseline combine and the
+baseline dispatch with known splits ("cached") are captured when NCCL allows it. CPU: wall clock
+(``time.perf_counter``) around ``--reps`` host-blocking calls after a barrier. Every rank measures;
+a sample is the slowest rank's time, and the latency is the median of the samples with p10-p90.
+
+Bandwidth, per rank, then the mean over ranks (GB = 1e9 bytes), by two formulas:
+
+* **original MORI formula** (``tests/python/ops/bench_dispatch_combine.py``): ``total_recv * hidden
+  * element size / time``, ``total_recv`` = rows this rank received (one per source token with at
+  least one expert here, its own tokens included); element size of the phase's token dtype (fp8: 1
+  byte, scales not counted; combine: bf16, 2 bytes).
+* **DeepEP logical formula** (DeepEP ``tests/test_intranode.py``): the bytes a rank receives,
+  local tokens included: the number of (token, destination rank) pairs it receives times ``hidden
+  * 2`` for bf16, or ``hidden + scale_dim * 4`` for fp8 with its scales; combine counts the same
+  bytes as its dispatch, in bf16.
+
+With bf16 the two agree; they differ for fp8 dispatch (scales). The original's low-latency
+rescaling (``M * K / total_recv``) is given as ``original_ll_scale`` in the JSON record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from mori.core import bench
+from mori.core.bench import BenchSuite
+from mori.core.errors import bad_value
+from mori.core.plugins import hookimpl
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "A2ALayout",
+    "a2a_combine",
+    "a2a_dispatch",
+    "add_arguments",
+    "bytes_deepep",
+    "bytes_original",
+    "dequantise_fp8",
+    "gbps",
+    "mori_bench_suites",
+    "quantise_fp8",
+    "random_routing",
+    "recv_rows",
+    "run",
+]
+
+SUITE = "mori bench ep"
+#: DeepSeek-V3 MoE layer
+HIDDEN, TOPK, EXPERTS = 7168, 8, 256
+#: tokens per rank: throughput and latency shapes
+DEFAULT_TOKENS = {"cuda": [4096, 128], "cpu": [512, 128]}
+DEFAULT_ITERS = {"cuda": 50, "cpu": 10}
+DEFAULT_WARMUP = {"cuda": 5, "cpu": 1}
+DEFAULT_REPS = {"cuda": 10, "cpu": 1}
+#: channels per fp8 scale (DeepEP's per-token, per-128-channel format)
+FP8_BLOCK = 128
+FP8_MAX = 448.0
+DTYPES = ("bf16", "fp8")
+KERNEL_TYPES = ("IntraNode", "IntraNodeLL", "AsyncLL")
+#: combine tolerance against x * U (bf16 output of an fp32 sum of at most world equal bf16 rows)
+RTOL, ATOL = 2e-2, 2e-2
+
+
+# -- the ``mori bench ep`` suite ----------------------------------------------------------------------
+
+
+@hookimpl
+def mori_bench_suites() -> Sequence[BenchSuite]:
+    return [BenchSuite("ep", __doc__.splitlines()[0] if __doc__ else "", add_arguments, run)]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _dtype_list(text: str) -> list[str]:
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in out if x not in DTYPES]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated subset of {','.join(DTYPES)}, got {text!r}"
+        )
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu: ranks are local processes on the cpu runtime, baseline on gloo; cuda: one process per "
+        "GPU (rank r on GPU r %% count), mori.shmem on the cuda runtime, baseline on NCCL",
+    )
+    p.add_argument("--ranks", type=int, default=2, help="expert-parallel ranks (default 2)")
+    p.add_argument(
+        "--tokens",
+        type=_int_list,
+        default=None,
+        help="comma-separated tokens per rank (default cuda 4096,128; cpu 512,128)",
+    )
+    p.add_argument("--hidden", type=int, default=HIDDEN, help=f"hidden size (default {HIDDEN})")
+    p.add_argument("--experts", type=int, default=EXPERTS, help=f"experts in total (default {EXPERTS})")
+    p.add_argument("--topk", type=int, default=TOPK, help=f"experts per token (default {TOPK})")
+    p.add_argument(
+        "--dtype",
+        type=_dtype_list,
+        default=list(DTYPES),
+        help="dispatch dtypes, comma-separated: bf16, fp8 (e4m3fn + hidden/128 fp32 scales per token); "
+        "combine is bf16 (default bf16,fp8)",
+    )
+    p.add_argument(
+        "--sms",
+        type=_int_list,
+        default=[-1],
+        help="comma-separated block_num values given to dispatch and combine (one block per SM), so "
+        "results compare at equal SM budgets; -1 = the op's default (default -1)",
+    )
+    p.add_argument(
+        "--warps", type=int, default=-1, help="warp_per_block given to dispatch and combine (-1 = the op's)"
+    )
+    p.add_argument("--kernel-type", choices=KERNEL_TYPES, default="IntraNode", help="(default IntraNode)")
+    p.add_argument(
+        "--iters", type=int, default=None, help="measurements per figure (default cuda 50, cpu 10)"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=None, help="untimed measurements first (default cuda 5, cpu 1)"
+    )
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        help="calls per measurement (in one CUDA graph on GPU; default cuda 10, cpu 1)",
+    )
+    p.add_argument("--seed", type=int, default=123, help="routing and token seed (default 123)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the all_to_all_single baseline")
+    p.add_argument(
+        "--json", default=None, help="where to write the JSON record (default bench-results/ep-DEVICE.json)"
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        help="where to draw the plot (default: the JSON path with .png; 'none' for no plot; needs matplotlib)",
+    )
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Fill the device defaults and reject what cannot run, naming the option."""
+    dev = args.device
+    args.tokens = args.tokens if args.tokens is not None else list(DEFAULT_TOKENS[dev])
+    args.iters = args.iters if args.iters is not None else DEFAULT_ITERS[dev]
+    args.warmup = args.warmup if args.warmup is not None else DEFAULT_WARMUP[dev]
+    args.reps = args.reps if args.reps is not None else DEFAULT_REPS[dev]
+    args.json = args.json or f"bench-results/ep-{dev}.json"
+
+    def positive(name: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise bad_value(SUITE, name, value, "an int >= 1")
+
+    positive("--ranks", args.ranks)
+    positive("--hidden", args.hidden)
+    positive("--experts", args.experts)
+    positive("--iters", args.iters)
+    positive("--reps", args.reps)
+    if args.warmup < 0:
+        raise bad_value(SUITE, "--warmup", args.warmup, "an int >= 0")
+    if not args.tokens or min(args.tokens) < 1:
+        raise bad_value(SUITE, "--tokens", args.tokens, "one or more token counts >= 1")
+    from mori.ep.config import MAX_EXPERTS_PER_TOKEN
+
+    if not 1 <= args.topk <= min(MAX_EXPERTS_PER_TOKEN, args.experts):
+        raise bad_value(
+            SUITE, "--topk", args.topk, f"an int in [1, {min(MAX_EXPERTS_PER_TOKEN, args.experts)}]"
+        )
+    if args.experts % args.ranks:
+        raise bad_value(SUITE, "--experts", args.experts, f"a multiple of --ranks = {args.ranks}")
+    if "fp8" in args.dtype and args.hidden % FP8_BLOCK:
+        raise bad_value(
+            SUITE, "--hidden", args.hidden, f"a multiple of {FP8_BLOCK} with --dtype fp8 (one scale per 128)"
+        )
+    if not args.sms or any(s == 0 or s < -1 for s in args.sms):
+        raise bad_value(SUITE, "--sms", args.sms, "block counts >= 1, or -1 for the op's default")
+    if args.warps == 0 or args.warps < -1:
+        raise bad_value(SUITE, "--warps", args.warps, "an int >= 1, or -1 for the op's default")
+    if args.timeout <= 0:
+        raise bad_value(SUITE, "--timeout", args.timeout, "seconds > 0")
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    spec = {
+        k: getattr(args, k)
+        for k in (
+            "device",
+            "ranks",
+            "tokens",
+            "hidden",
+            "experts",
+            "topk",
+            "dtype",
+            "sms",
+            "warps",
+            "kernel_type",
+            "iters",
+            "warmup",
+            "reps",
+            "seed",
+        )
+    }
+    spec["baseline"] = not args.no_baseline
+    spec["port"] = _free_port()
+    results = _launch(spec, args.timeout)
+    rows = _rows(spec, results)
+    verified = _report(spec, results, rows)
+    config = {**spec, "device_name": results[0]["device_name"], "torch": results[0]["torch"]}
+    config.pop("port")
+    path = bench.write_json(args.json, "ep", config, rows)
+    print(f"wrote {path}")
+    if args.plot != "none":
+        _plot(args.plot or path.with_suffix(".png"), rows, config)
+    return 0 if verified else 1
+
+
+# -- formulas -------------------------------------------------------------------------------------------
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    """GB/s with GB = 1e9 bytes."""
+    return nbytes / seconds / 1e9
+
+
+def bytes_original(rows: int, hidden: int, elem_size: int) -> int:
+    """The original MORI formula's bytes: received rows * hidden * element size (no scales)."""
+    return rows * hidden * elem_size
+
+
+def bytes_deepep(rows: int, hidden: int, phase: str, dtype: str, scale_dim: int = 0) -> int:
+    """DeepEP's logical bytes for ``rows`` (token, destination rank) pairs received.
+
+    dispatch bf16: ``hidden * 2`` per row; dispatch fp8: ``hidden`` bytes plus ``scale_dim`` fp32
+    scales per row (DeepEP counts ``bf16 bytes * (1 + 4 / 128) / 2``, the same with
+    ``scale_dim = hidden / 128``); combine: the bytes of its dispatch in bf16, ``hidden * 2``.
+    """
+    if phase == "combine" or dtype == "bf16":
+        return rows * hidden * 2
+    if dtype == "fp8":
+        return rows * (hidden + scale_dim * 4)
+    raise bad_value("bytes_deepep", "dtype", dtype, "'bf16' or 'fp8'")
+
+
+def recv_rows(indices: Sequence[torch.Tensor], num_experts_per_rank: int) -> list[int]:
+    """Rows each rank receives: (token, destination rank) pairs over every source rank's routing.
+
+    ``indices[s]`` is rank ``s``'s [N, K] expert ids (``-1`` = none); a token counts once per
+    distinct destination rank, its own rank included.
+    """
+    from mori.ep.reference import dest_ranks
+
+    world = len(indices)
+    total = [0] * world
+    for idx in indices:
+        per = dest_ranks(idx.cpu(), num_experts_per_rank, world).sum(0).tolist()
+        total = [a + int(b) for a, b in zip(total, per, strict=True)]
+    return total
+
+
+def random_routing(tokens: int, experts: int, topk: int, seed: int, rank: int) -> torch.Tensor:
+    """int32 [tokens, topk]: ``topk`` distinct experts per token, uniform, seeded by (seed, rank)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+    return torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices.to(torch.int32)
+
+
+def quantise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, H] -> (float8_e4m3fn [N, H], float32 scales [N, H / 128]): one scale per 128 channels,
+    ``amax / 448`` (DeepEP's ``per_token_cast_to_fp8``)."""
+    import torch
+
+    n, h = x.shape
+    v = x.float().view(n, h // FP8_BLOCK, FP8_BLOCK)
+    amax = v.abs().amax(dim=2).clamp(min=1e-4)
+    q = (v * (FP8_MAX / amax)[:, :, None]).to(torch.float8_e4m3fn).view(n, h)
+    return q, amax / FP8_MAX
+
+
+def dequantise_fp8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`quantise_fp8`, to bf16."""
+    import torch
+
+    n, h = q.shape
+    v = q.float().view(n, h // FP8_BLOCK, FP8_BLOCK) * scales[:, : h // FP8_BLOCK, None].float()
+    return v.view(n, h).to(torch.bfloat16)
+
+
+# -- the baseline: torch.distributed.all_to_all_single ----------------------------------------------------
+
+
+@dataclass
+class A2ALayout:
+    """Where a baseline dispatch sent and received rows; its combine reverses it.
+
+    Attributes:
+        send_tok: int64 [S]: source token of each sent row, rows grouped by destination rank.
+        send_counts: rows sent to each rank (``S = sum``).
+        recv_counts: rows received from each rank.
+    """
+
+    send_tok: torch.Tensor
+    send_counts: list[int]
+    recv_counts: list[int]
+
+
+def a2a_dispatch(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    scales: torch.Tensor | None,
+    indices: torch.Tensor,
+    num_experts_per_rank: int,
+    *,
+    layout: A2ALayout | None = None,
+    group: Any = None,
+) -> tuple[A2ALayout, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Dispatch with ``all_to_all_single``, as a user would write it. Collective.
+
+    Each token goes once to every distinct rank hosting one of its experts (``-1`` ids skipped).
+    Without ``layout``: count rows per destination, exchange the counts (``all_to_all_single``) and
+    read them on the host, then exchange the token rows and one packed metadata row (weights,
+    expert ids, scales) per token. With ``layout`` (same routing as the call that made it): the
+    counts exchange is skipped (the "cached" variant, graph-capturable).
+
+    Returns ``(layout, recv_x [R, H], recv_weights [R, K] f32, recv_indices [R, K] int32,
+    recv_scales [R, S] | None)``, rows grouped by source rank, each group in token order.
+    """
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    n, h = x.shape
+    k = indices.shape[1]
+    if layout is None:
+        ranks = torch.where(indices >= 0, indices // num_experts_per_rank, world).long()
+        dest = torch.zeros(n, world + 1, dtype=torch.bool, device=x.device)
+        dest.scatter_(1, ranks, True)
+        dest = dest[:, :world]
+        # (rank, token) pairs in rank-major order: the rows of each destination are contiguous
+        send_tok = dest.t().nonzero()[:, 1]
+        send_counts_t = dest.sum(0)
+        recv_counts_t = torch.empty_like(send_counts_t)
+        dist.all_to_all_single(recv_counts_t, send_counts_t, group=group)
+        layout = A2ALayout(send_tok, send_counts_t.tolist(), recv_counts_t.tolist())  # host sync
+    total = sum(layout.recv_counts)
+    meta_cols = 2 * k + (0 if scales is None else scales.shape[1])
+    meta = torch.empty(n, meta_cols, dtype=torch.int32, device=x.device)
+    meta[:, :k] = weights.float().view(torch.int32)
+    meta[:, k : 2 * k] = indices
+    if scales is not None:
+        meta[:, 2 * k :] = scales.float().view(torch.int32)
+    # fp8 rows travel as bytes: same bits, and gloo has no float8 type
+    wire = x.view(torch.uint8) if x.element_size() == 1 else x
+    recv_x = torch.empty(total, h, dtype=wire.dtype, device=x.device)
+    dist.all_to_all_single(
+        recv_x, wire.index_select(0, layout.send_tok), layout.recv_counts, layout.send_counts, group=group
+    )
+    recv_meta = torch.empty(total, meta_cols, dtype=torch.int32, device=x.device)
+    dist.all_to_all_single(
+        recv_meta, meta.index_select(0, layout.send_tok), layout.recv_counts, layout.send_counts, group=group
+    )
+    recv_scales = None if scales is None else recv_meta[:, 2 * k :].view(torch.float32)
+    return (
+        layout,
+        recv_x.view(x.dtype),
+        recv_meta[:, :k].view(torch.float32),
+        recv_meta[:, k : 2 * k],
+        recv_scales,
+    )
+
+
+def a2a_combine(y: torch.Tensor, layout: A2ALayout, num_tokens: int, *, group: Any = None) -> torch.Tensor:
+    """Combine with ``all_to_all_single``: send received row ``i``'s output ``y[i]`` back to its
+    source, which sums each token's rows in fp32 (``index_add_``) and casts once. Collective.
+
+    ``y``: [R, H], row ``i`` for received row ``i`` of :func:`a2a_dispatch`. Returns [num_tokens, H].
+    """
+    import torch
+    import torch.distributed as dist
+
+    back = torch.empty(len(layout.send_tok), y.shape[1], dtype=y.dtype, device=y.device)
+    dist.all_to_all_single(back, y, layout.send_counts, layout.recv_counts, group=group)
+    acc = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
+    acc.index_add_(0, layout.send_tok, back.float())
+    return acc.to(y.dtype)
+
+
+# -- ranks ---------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _heap_bytes(spec: dict[str, Any]) -> int:
+    """Symmetric heap per rank: every op of the run (one per tokens x dtype), with room to spare."""
+    w, h, k = spec["ranks"], spec["hidden"], spec["topk"]
+    per_row = h * 2 + (h // FP8_BLOCK) * 4 + 4 * k * 4 + 64
+    rows = sum(w * t for t in spec["tokens"]) * len(spec["dtype"])
+    return 2 * 4 * rows * per_row + (256 << 20)
+
+
+def _set_device(rank: int, nranks: int) -> None:
+    import torch
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+
+
+def _launch(spec: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    from mori.core.launch import shmem_ranks
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(spec["port"])}
+    heap = os.environ.get("MORI_SHMEM_HEAP_SIZE") or str(_heap_bytes(spec))
+    if spec["device"] == "cuda":
+        import torch
+
+        if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
+            raise bad_value(SUITE, "--device", "cuda", "cpu: torch sees no CUDA device here")
+        env["MORI_DEVICE_RUNTIME"] = os.environ.get("MORI_DEVICE_RUNTIME", "cuda")
+        env["CUDA_MODULE_LOADING"] = os.environ.get("CUDA_MODULE_LOADING", "EAGER")
+        return shmem_ranks(
+            _rank_main, spec["ranks"], spec, heap=heap, timeout=timeout, env=env, before_init=_set_device
+        )
+    env["MORI_DEVICE_RUNTIME"] = "cpu"
+    return shmem_ranks(_rank_main, spec["ranks"], spec, heap=heap, timeout=timeout, env=env)
+
+
+def _rank_main(rank: int, nranks: int, spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    cuda = spec["device"] == "cuda"
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    init = f"tcp://127.0.0.1:{spec['port']}"
+    if cuda:
+        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=nranks, device_id=dev)
+    else:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=nranks)
+    try:
+        cases = [_case(rank, nranks, spec, t, d, dev) for t in spec["tokens"] for d in spec["dtype"]]
+        name = torch.cuda.get_device_name(dev) if cuda else f"cpu ({os.cpu_count()} cores)"
+        return {"device_name": name, "torch": torch.__version__, "cases": cases}
+    finally:
+        dist.destroy_process_group()
+
+
+class _Timer:
+    """Times ``fn`` on every rank the same way: CUDA graph or eager with events, or wall clock."""
+
+    def __init__(self, spec: dict[str, Any], dev: torch.device) -> None:
+        self.cuda = dev.type == "cuda"
+        self.reps, self.iters, self.warmup = spec["reps"], spec["iters"], spec["warmup"]
+        self.dev = dev
+
+    def _all(self, ok: bool) -> bool:
+        """True on every rank if ``ok`` on every rank (collective)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _barrier(self) -> None:
+        import mori.shmem as shmem
+
+        if self.cuda:
+            shmem.shmem_barrier_on_stream()  # ranks leave together, on the device
+        else:
+            shmem.shmem_barrier_all()
+
+    def __call__(self, fn: Callable[[], object], *, capture: bool, why_eager: str = "") -> dict[str, Any]:
+        if not self.cuda:
+            return self._wall(fn)
+        import torch
+
+        reps = self.reps
+        graph: Any = None
+        mode = f"eager, CUDA events around {reps} calls" + (f" ({why_eager})" if why_eager else "")
+        if capture:
+            error = ""
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    fn()  # compile and load outside the capture
+                torch.cuda.current_stream().wait_stream(side)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(reps):
+                        fn()
+            except Exception as e:  # say why, then time eagerly on every rank
+                graph = None
+                error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+            torch.cuda.synchronize()
+            if self._all(graph is not None):
+                mode = f"CUDA graph of {reps} calls, replayed between CUDA events"
+            else:
+                graph = None
+                mode = (
+                    f"eager, CUDA events around {reps} calls (graph capture failed: {error or 'on a peer'})"
+                )
+
+        def once() -> None:
+            if graph is not None:
+                graph.replay()
+            else:
+                for _ in range(reps):
+                    fn()
+
+        for _ in range(self.warmup):
+            self._barrier()
+            once()
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(self.iters):
+            self._barrier()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            once()
+            b.record()
+            torch.cuda.synchronize()
+            samples.append(a.elapsed_time(b) / 1e3 / reps)
+        return {"samples": samples, "mode": mode}
+
+    def _wall(self, fn: Callable[[], object]) -> dict[str, Any]:
+        for _ in range(self.warmup):
+            self._barrier()
+            fn()
+        samples = []
+        for _ in range(self.iters):
+            self._barrier()
+            t0 = time.perf_counter()
+            for _ in range(self.reps):
+                fn()
+            samples.append((time.perf_counter() - t0) / self.reps)
+        return {
+            "samples": samples,
+            "mode": f"wall clock (perf_counter) around {self.reps} host-blocking calls",
+        }
+
+
+def _case(
+    rank: int, nranks: int, spec: dict[str, Any], tokens: int, dtype: str, dev: torch.device
+) -> dict[str, Any]:
+    """One (tokens, dispatch dtype): build the op, check it once, time it at every --sms, then the baseline."""
+    import torch
+
+    from mori.ep import EpDispatchCombineConfig, EpDispatchCombineKernelType, EpDispatchCombineOp
+    from mori.ep.reference import dest_ranks
+
+    hidden, experts, k, seed = spec["hidden"], spec["experts"], spec["topk"], spec["seed"]
+    e_local = experts // nranks
+    fp8 = dtype == "fp8"
+    scale_dim = hidden // FP8_BLOCK if fp8 else 0
+    all_idx = [random_routing(tokens, experts, k, seed, s) for s in range(nranks)]
+    rows = recv_rows(all_idx, e_local)
+    idx_cpu = all_idx[rank]
+    gen = torch.Generator().manual_seed(seed * 7919 + rank)
+    x_bf16 = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(tokens, k, generator=gen).to(dev)
+    if fp8:
+        x_in, scales_cpu = quantise_fp8(x_bf16)
+        x_ref = dequantise_fp8(x_in, scales_cpu)
+        scales: torch.Tensor | None = scales_cpu.to(dev)
+    else:
+        x_in, x_ref, scales = x_bf16, x_bf16, None
+    x_in, idx = x_in.to(dev), idx_cpu.to(dev)
+    u = dest_ranks(idx_cpu, e_local, nranks).sum(1, dtype=torch.float32)
+    expected = (x_ref.float() * u[:, None]).to(dev)
+
+    kt = EpDispatchCombineKernelType[spec["kernel_type"]]
+    cfg = EpDispatchCombineConfig(
+        data_type=x_in.dtype,
+        rank=rank,
+        world_size=nranks,
+        hidden_dim=hidden,
+        scale_dim=scale_dim,
+        scale_type_size=4 if fp8 else 0,
+        max_token_type_size=2,
+        max_num_inp_token_per_rank=tokens,
+        num_experts_per_rank=e_local,
+        num_experts_per_token=k,
+        kernel_type=kt,
+    )
+    op = EpDispatchCombineOp(cfg)
+    warps = spec["warps"]
+    asynchronous = kt == EpDispatchCombineKernelType.AsyncLL
+
+    def dispatch(sms: int) -> Any:
+        out = op.dispatch(x_in, weights, scales, idx, block_num=sms, warp_per_block=warps)
+        if asynchronous:
+            op.dispatch_recv(block_num=sms, warp_per_block=warps)
+        return out
+
+    # one checked dispatch + combine; its received rows (dequantised) are the expert outputs
+    out, _, out_scales, _, total = dispatch(spec["sms"][0])
+    n_recv = int(total[0])
+    comb_in = (dequantise_fp8(out, out_scales) if fp8 else out).to(torch.bfloat16).clone()
+    comb_in[n_recv:] = 0
+
+    def combine(sms: int) -> Any:
+        res = op.combine(comb_in, None, idx, block_num=sms, warp_per_block=warps)
+        if asynchronous:
+            op.combine_recv(block_num=sms, warp_per_block=warps)
+        return res
+
+    combined = combine(spec["sms"][0])[0][:tokens].float()
+    ok = n_recv == rows[rank] and bool(torch.allclose(combined, expected, rtol=RTOL, atol=ATOL))
+    timer = _Timer(spec, dev)
+    ours = []
+    for sms in spec["sms"]:
+        d = timer(lambda sms=sms: dispatch(sms), capture=True)
+        c = timer(lambda sms=sms: combine(sms), capture=True)
+        ours.append({"sms": sms, "dispatch": d, "combine": c})
+    result: dict[str, Any] = {
+        "tokens": tokens,
+        "dtype": dtype,
+        "scale_dim": scale_dim,
+        "recv_rows": n_recv,
+        "verified": ok,
+        "ours": ours,
+    }
+    if spec["baseline"]:
+        result["baseline"] = _baseline(timer, x_in, weights, scales, idx, e_local, tokens, expected, fp8)
+    return result
+
+
+def _baseline(
+    timer: _Timer,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    scales: torch.Tensor | None,
+    idx: torch.Tensor,
+    e_local: int,
+    tokens: int,
+    expected: torch.Tensor,
+    fp8: bool,
+) -> dict[str, Any]:
+    import torch
+
+    layout, rx, _, _, rs = a2a_dispatch(x, weights, scales, idx, e_local)
+    y = (dequantise_fp8(rx, rs) if fp8 and rs is not None else rx).to(torch.bfloat16).contiguous()
+    combined = a2a_combine(y, layout, tokens).float()
+    ok = bool(torch.allclose(combined, expected, rtol=RTOL, atol=ATOL))
+    host_sync = "split sizes read on the host: not capturable"
+    return {
+        "verified": ok,
+        "recv_rows": int(rx.shape[0]),
+        "dispatch": timer(
+            lambda: a2a_dispatch(x, weights, scales, idx, e_local), capture=False, why_eager=host_sync
+        ),
+        "dispatch_cached": timer(
+            lambda: a2a_dispatch(x, weights, scales, idx, e_local, layout=layout), capture=True
+        ),
+        "combine": timer(lambda: a2a_combine(y, layout, tokens), capture=True),
+    }
+
+
+# -- results ----------------------------------------------------------------------------------------------
+
+
+def _slowest(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Sample i = the slowest rank's sample i (a collective is done when its last rank is)."""
+    return [max(s) for s in zip(*per_rank, strict=True)]
+
+
+def _lat(samples: Sequence[float]) -> dict[str, Any]:
+    st = bench.Stats.of(samples)
+    return {
+        "median": st.median * 1e6,
+        "p10": st.p10 * 1e6,
+        "p90": st.p90 * 1e6,
+        "min": st.min * 1e6,
+        "max": st.max * 1e6,
+        "n": st.n,
+    }
+
+
+def _rows(spec: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (phase, tokens, dtype, sms): latency, both bandwidths, baseline, ratio."""
+    import statistics
+
+    out = []
+    hidden, k = spec["hidden"], spec["topk"]
+    base_name = "nccl" if spec["device"] == "cuda" else "gloo"
+    for ci, case in enumerate(results[0]["cases"]):
+        per_rank = [r["cases"][ci] for r in results]
+        tokens, dtype, scale_dim = case["tokens"], case["dtype"], case["scale_dim"]
+        rows = [c["recv_rows"] for c in per_rank]
+        verified = all(c["verified"] for c in per_rank)
+        base = [c.get("baseline") for c in per_rank]
+        for si, sms in enumerate(spec["sms"]):
+            for phase in ("dispatch", "combine"):
+                elem = 1 if (phase == "dispatch" and dtype == "fp8") else 2
+                meas = [c["ours"][si][phase] for c in per_rank]
+                samples = _slowest([m["samples"] for m in meas])
+                medians = [statistics.median(m["samples"]) for m in meas]
+                b_orig = [bytes_original(r, hidden, elem) for r in rows]
+                b_dpe = [bytes_deepep(r, hidden, phase, dtype, scale_dim) for r in rows]
+                g_orig = [gbps(b, t) for b, t in zip(b_orig, medians, strict=True)]
+                g_dpe = [gbps(b, t) for b, t in zip(b_dpe, medians, strict=True)]
+                row: dict[str, Any] = {
+                    "phase": phase,
+                    "tokens": tokens,
+                    "dispatch_dtype": dtype,
+                    "dtype": dtype if phase == "dispatch" else "bf16",
+                    "sms": sms,
+                    "warps": spec["warps"],
+                    "kernel_type": spec["kernel_type"],
+                    "ranks": spec["ranks"],
+                    "timing": meas[0]["mode"],
+                    "latency_us": _lat(samples),
+                    "recv_rows_per_rank": rows,
+                    "bytes_original_per_rank": b_orig,
+                    "bytes_deepep_per_rank": b_dpe,
+                    "gbps_original": sum(g_orig) / len(g_orig),
+                    "gbps_deepep": sum(g_dpe) / len(g_dpe),
+                    "gbps_original_per_rank": g_orig,
+                    "gbps_deepep_per_rank": g_dpe,
+                    "original_ll_scale": [tokens * k / max(r, 1) for r in rows],
+                    "verified": verified,
+                    "samples_us": [s * 1e6 for s in samples],
+                }
+                if all(b is not None for b in base):
+                    row["baseline"] = _baseline_row(base, phase, base_name, b_dpe, row)
+                    row["ratio"] = row["baseline"]["latency_us"]["median"] / row["latency_us"]["median"]
+                out.append(row)
+    return out
+
+
+def _baseline_row(
+    base: list[Any], phase: str, name: str, b_dpe: list[int], ours: dict[str, Any]
+) -> dict[str, Any]:
+    import statistics
+
+    def figure(key: str) -> dict[str, Any]:
+        meas = [b[key] for b in base]
+        medians = [statistics.median(m["samples"]) for m in meas]
+        g = [gbps(b, t) for b, t in zip(b_dpe, medians, strict=True)]
+        return {
+            "timing": meas[0]["mode"],
+            "latency_us": _lat(_slowest([m["samples"] for m in meas])),
+            "gbps_deepep": sum(g) / len(g),
+        }
+
+    what = (
+        "all_to_all_single of the counts, host read of the split sizes, all_to_all_single of token rows "
+        "and of packed weights/ids/scales"
+        if phase == "dispatch"
+        else "all_to_all_single back, fp32 index_add_ at the source"
+    )
+    row = {"name": f"torch.distributed.all_to_all_single ({name})", "what": what, **figure(phase)}
+    row["verified"] = all(b["verified"] for b in base)
+    if phase == "dispatch":
+        row["cached"] = {
+            "what": "split sizes known (counts exchange skipped): index_select + 2 all_to_all_single",
+            **figure("dispatch_cached"),
+        }
+    return row
+
+
+def _fmt_gbps(v: float) -> str:
+    return f"{v:.1f}" if v >= 10 else f"{v:.3g}"
+
+
+def _fmt_lat(lat: dict[str, Any]) -> str:
+    return f"{lat['median']:.1f} [{lat['p10']:.1f}-{lat['p90']:.1f}]"
+
+
+def _report(spec: dict[str, Any], results: list[dict[str, Any]], rows: list[dict[str, Any]]) -> bool:
+    dev = spec["device"]
+    base_name = "NCCL" if dev == "cuda" else "gloo"
+    table = []
+    for r in rows:
+        dtype = r["dtype"] if r["phase"] == "dispatch" else f"bf16 ({r['dispatch_dtype']} run)"
+        b = r.get("baseline")
+        table.append(
+            [
+                r["phase"],
+                r["tokens"],
+                dtype,
+                "n/a" if dev == "cpu" else ("default" if r["sms"] == -1 else r["sms"]),
+                _fmt_lat(r["latency_us"]),
+                _fmt_gbps(r["gbps_original"]),
+                _fmt_gbps(r["gbps_deepep"]),
+                "-" if b is None else _fmt_lat(b["latency_us"]),
+                "-" if b is None else f"{r['ratio']:.2f}",
+            ]
+        )
+    print(
+        f"mori bench ep: EpDispatchCombineOp ({spec['kernel_type']}) on {spec['ranks']} ranks, "
+        f"{results[0]['device_name']}; hidden {spec['hidden']}, top-{spec['topk']} of {spec['experts']} "
+        f"experts, random routing (seed {spec['seed']}), combine bf16"
+    )
+    print(
+        "latency: median [p10-p90] us per call of the slowest rank over "
+        f"{spec['iters']} measurements of {spec['reps']} calls; GB/s: per rank, mean over ranks, 1 GB = 1e9 B"
+    )
+    print(
+        bench.format_table(
+            [
+                "phase",
+                "tokens",
+                "dtype",
+                "sms",
+                "latency us [p10-p90]",
+                "GB/s orig",
+                "GB/s DeepEP",
+                f"{base_name} a2a us [p10-p90]",
+                "a2a/ours",
+            ],
+            table,
+        )
+    )
+    print(
+        "GB/s orig = original MORI formula: received rows x hidden x element size (fp8: 1 B, scales not "
+        "counted) / time"
+    )
+    print(
+        "GB/s DeepEP = DeepEP logical formula: (token, destination rank) pairs received (own tokens "
+        "included) x hidden x 2 B (fp8: hidden + 4 B per scale) / time; combine: its dispatch's bytes in bf16"
+    )
+    modes = sorted({r["timing"] for r in rows})
+    print("timing (ours): " + "; ".join(modes))
+    if rows and "baseline" in rows[0]:
+        print(
+            f"baseline: torch.distributed.all_to_all_single on {base_name}; a2a/ours = baseline median / "
+            "our median (> 1: we are faster)"
+        )
+        b_modes = sorted({f"{r['phase']}: {r['baseline']['timing']}" for r in rows})
+        print("timing (baseline): " + "; ".join(b_modes))
+        print("baseline dispatch with the split sizes known ('cached': counts exchange skipped):")
+        seen = set()
+        for r in rows:
+            key = (r["tokens"], r["dispatch_dtype"])
+            if r["phase"] != "dispatch" or key in seen:
+                continue
+            seen.add(key)
+            c = r["baseline"]["cached"]
+            print(
+                f"  {r['tokens']} tokens {r['dispatch_dtype']}: {_fmt_lat(c['latency_us'])} us, "
+                f"{_fmt_gbps(c['gbps_deepep'])} GB/s DeepEP ({c['timing']})"
+            )
+    verified = all(r["verified"] for r in rows)
+    base_ok = all(r["baseline"]["verified"] for r in rows if "baseline" in r)
+    print(
+        f"combine == x * U (identity experts) and total_recv as expected, every rank: ours {verified}, "
+        f"baseline {base_ok if rows and 'baseline' in rows[0] else 'not run'}"
+    )
+    return verified and base_ok
+
+
+def _plot(path: Any, rows: list[dict[str, Any]], config: dict[str, Any]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return
+    labels = [
+        f"{r['phase']}\n{r['tokens']} {r['dtype']}" + ("" if r["sms"] == -1 else f"\n{r['sms']} SMs")
+        for r in rows
+    ]
+    xs = list(range(len(rows)))
+    has_base = all("baseline" in r for r in rows)
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, len(rows) * 1.1), 8))
+    width = 0.4 if has_base else 0.8
+    ax1.bar(
+        [x - width / 2 if has_base else x for x in xs],
+        [r["latency_us"]["median"] for r in rows],
+        width,
+        label="mori.ep",
+    )
+    if has_base:
+        ax1.bar(
+            [x + width / 2 for x in xs],
+            [r["baseline"]["latency_us"]["median"] for r in rows],
+            width,
+            label="all_to_all_single",
+        )
+    ax1.set_yscale("log")
+    ax1.set_ylabel("latency, median us")
+    ax2.bar(
+        [x - width / 2 if has_base else x for x in xs],
+        [r["gbps_deepep"] for r in rows],
+        width,
+        label="mori.ep",
+    )
+    if has_base:
+        ax2.bar(
+            [x + width / 2 for x in xs],
+            [r["baseline"]["gbps_deepep"] for r in rows],
+            width,
+            label="all_to_all_single",
+        )
+    ax2.set_ylabel("GB/s (DeepEP logical formula)")
+    for ax in (ax1, ax2):
+        ax.set_xticks(xs)
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.legend()
+        ax.grid(True, axis="y", alpha=0.3)
+    ax1.set_title(
+        f"mori bench ep: {config['ranks']} ranks, {config['device_name']}, hidden {config['hidden']}"
+    )
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    print(f"wrote {path}")
