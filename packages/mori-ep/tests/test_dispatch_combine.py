@@ -42,6 +42,14 @@ def _config(rank: int, world: int, **kw: Any) -> EpDispatchCombineConfig:
     return EpDispatchCombineConfig(**args)
 
 
+def _op(impl: str, rank: int, world: int, **kw: Any) -> EpDispatchCombineOp:
+    """An operator on ``impl``; the Triton kernels (run by the interpreter here) get 3 programs, so
+    token ranges split unevenly and some programs get none."""
+    if impl == "triton":
+        kw.setdefault("block_num", 3)
+    return EpDispatchCombineOp(_config(rank, world, **kw), impl=impl)
+
+
 def _routing(gen: torch.Generator, pattern: str, n: int, world: int, k: int, src: int) -> torch.Tensor:
     e_total = world * E_LOCAL
     t = torch.arange(n)[:, None]
@@ -154,9 +162,9 @@ def _round(
     _check_combine(op, got, me, cdtype)
 
 
-def _scenarios(rank: int, world: int) -> None:
+def _scenarios(rank: int, world: int, impl: str = "host") -> None:
     # random routing with sentinels and scales, 10 calls in a row on one op, bf16
-    op = EpDispatchCombineOp(_config(rank, world))
+    op = _op(impl, rank, world)
     for it in range(10):
         _round(op, it, "random", torch.bfloat16, torch.bfloat16)
     # other patterns, other dtypes, cross-dtype combine, no scales
@@ -166,24 +174,22 @@ def _scenarios(rank: int, world: int) -> None:
     _round(op, 23, "random", torch.float8_e4m3fn, torch.bfloat16)
     # zero-copy combine
     _round(op, 24, "random", torch.bfloat16, torch.bfloat16, zero_copy=True)
-    zc = EpDispatchCombineOp(_config(rank, world, use_external_inp_buf=False))
+    zc = _op(impl, rank, world, use_external_inp_buf=False)
     for it in range(2):
         _round(zc, 30 + it, "round_robin", torch.bfloat16, torch.float32, zero_copy=True)
     # spread (K = world), with a capped receive buffer that still fits
-    sp = EpDispatchCombineOp(
-        _config(rank, world, num_experts_per_token=world, max_total_recv_tokens=world * M)
-    )
+    sp = _op(impl, rank, world, num_experts_per_token=world, max_total_recv_tokens=world * M)
     assert sp.max_num_tokens_to_recv() == world * M
     for it in range(2):
         _round(sp, 40 + it, "spread", torch.bfloat16, torch.bfloat16, k=world)
     # IntraNodeLL: same path
-    ll = EpDispatchCombineOp(_config(rank, world, kernel_type=KT.IntraNodeLL))
+    ll = _op(impl, rank, world, kernel_type=KT.IntraNodeLL)
     for it in range(2):
         _round(ll, 50 + it, "random", torch.bfloat16, torch.bfloat16)
 
 
-def _async_ll(rank: int, world: int) -> None:
-    op = EpDispatchCombineOp(_config(rank, world, kernel_type=KT.AsyncLL))
+def _async_ll(rank: int, world: int, impl: str = "host") -> None:
+    op = _op(impl, rank, world, kernel_type=KT.AsyncLL)
     for it in range(4):
         all_in = [_inputs(60 + it, s, world, "random", torch.bfloat16, K) for s in range(world)]
         me = all_in[rank]
@@ -202,8 +208,8 @@ def _new_payload(src: int, n: int) -> dict[str, torch.Tensor]:
     return {"x": torch.randn(n, H, generator=gen).to(torch.bfloat16), "w": torch.rand(n, K, generator=gen)}
 
 
-def _replay(rank: int, world: int) -> None:
-    op = EpDispatchCombineOp(_config(rank, world))
+def _replay(rank: int, world: int, impl: str = "host") -> None:
+    op = _op(impl, rank, world)
     a = [_inputs(70, s, world, "random", torch.bfloat16, K) for s in range(world)]
     b = [_inputs(71, s, world, "round_robin", torch.bfloat16, K) for s in range(world)]
     outs = op.dispatch(a[rank]["x"], a[rank]["w"], None, a[rank]["idx"], return_routing=True)
@@ -475,3 +481,21 @@ def test_mori_ops_alias() -> None:
 
     assert mori.ops.EpDispatchCombineOp is EpDispatchCombineOp
     assert set(mori.ops.__all__) == set(mori.ep.__all__)
+
+
+# -- the Triton kernels, run by the interpreter on the cpu runtime (the same scenarios) ------------
+
+INTERPRET = {"TRITON_INTERPRET": "1"}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_kernels_scenarios(world: int) -> None:
+    shmem_ranks(_scenarios, world, "triton", env=INTERPRET)
+
+
+def test_kernels_async_ll_split() -> None:
+    shmem_ranks(_async_ll, 2, "triton", env=INTERPRET)
+
+
+def test_kernels_routing_handle_replay() -> None:
+    shmem_ranks(_replay, 2, "triton", env=INTERPRET)

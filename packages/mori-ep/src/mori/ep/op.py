@@ -54,12 +54,17 @@ from mori.core.errors import (
     format_ranks,
 )
 from mori.ep.config import EpDispatchCombineConfig, EpDispatchCombineKernelType
+from mori.ep.kernel_path import KernelPath, kernels_requested
 
 __all__ = ["EpDispatchCombineOp", "EpDispatchRoutingHandle"]
 
 KT = EpDispatchCombineKernelType
 #: kernel types this runtime implements (all on the same host path)
 _AVAILABLE = (KT.IntraNode, KT.IntraNodeLL, KT.AsyncLL)
+#: implementations: "auto" (Triton kernels on a GPU heap, the host path on the cpu runtime),
+#: "host" (vectorised torch; cpu runtime only), "triton" (the kernels; on the cpu runtime only under
+#: TRITON_INTERPRET=1, which is how CI runs them)
+IMPLS = ("auto", "host", "triton")
 #: kernel types that may use a routing handle (as in the original: IntraNode and InterNodeV1)
 _ROUTING_KERNELS = (KT.IntraNode,)
 
@@ -154,8 +159,8 @@ class EpDispatchRoutingHandle:
             raise bad_value(func, "tensors[0]", tuple(dest_slot.shape), "dest_slot int32 [world_size, M]")
         if total.shape != (1,) or total.dtype != torch.int32:
             raise bad_value(func, "tensors[1]", tuple(total.shape), "total_recv int32 [1]")
-        if pos.dim() != 1 or pos.dtype != torch.int32 or pos.shape[0] != int(total[0]):
-            raise bad_value(func, "tensors[2]", tuple(pos.shape), "recv_src_pos int32 [total_recv]")
+        if pos.dim() != 1 or pos.dtype != torch.int32 or pos.shape[0] < int(total[0]):
+            raise bad_value(func, "tensors[2]", tuple(pos.shape), "recv_src_pos int32 [>= total_recv]")
         n = cur_rank_num_token
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= dest_slot.shape[1]:
             raise bad_value(func, "cur_rank_num_token", n, f"an int in [0, {dest_slot.shape[1]}]")
@@ -184,10 +189,12 @@ class EpDispatchCombineOp:
     :class:`~mori.core.errors.MoriBackendError`.
     """
 
-    def __init__(self, config: EpDispatchCombineConfig) -> None:
+    def __init__(self, config: EpDispatchCombineConfig, *, impl: str = "auto") -> None:
         func = "EpDispatchCombineOp"
         if not isinstance(config, EpDispatchCombineConfig):
             raise bad_type(func, "config", config, "an EpDispatchCombineConfig")
+        if impl not in IMPLS:
+            raise bad_value(func, "impl", impl, f"one of {', '.join(repr(i) for i in IMPLS)}")
         if not shmem.shmem_is_initialized():
             raise MoriStateError(
                 f"{func}: mori.shmem is not initialised; call shmem_init_attr or "
@@ -268,7 +275,11 @@ class EpDispatchCombineOp:
             t.zero_()
 
         def peers(t: torch.Tensor) -> list[torch.Tensor]:
-            return [t if p == self.rank else shmem.symm_mori_shmem_tensor(t, p) for p in range(w)]
+            # (an empty buffer, e.g. scales with scale_dim = 0, has no address to translate)
+            return [
+                t if p == self.rank or t.numel() == 0 else shmem.symm_mori_shmem_tensor(t, p)
+                for p in range(w)
+            ]
 
         self._p_tok, self._p_w = peers(self._recv_tok), peers(self._recv_w)
         self._p_scales, self._p_idx = peers(self._recv_scales), peers(self._recv_idx)
@@ -278,10 +289,19 @@ class EpDispatchCombineOp:
 
         self._disp_epoch = 0
         self._comb_epoch = 0
-        self._total_recv = torch.zeros(1, dtype=torch.int32)
+        dev = self._recv_tok.device
+        self._kern: KernelPath | None = None
+        if kernels_requested(dev, impl):
+            if config.quant_type != "none":
+                raise MoriBackendError(
+                    f"{func}: quant_type={config.quant_type!r} is implemented on the host path only; the "
+                    "Triton kernels move combine rows unquantised (quant_type='none')"
+                )
+            self._kern = KernelPath(self)  # collective: allocates its control words
+        self._total_recv = self._kern.total_recv if self._kern else torch.zeros(1, dtype=torch.int32)
         #: int32 [num_experts_per_rank]: received (token, k) pairs per local expert; filled by a
         #: dispatch with ``call_local_expert_count=True``
-        self.local_expert_count = torch.zeros(self._e_local, dtype=torch.int32)
+        self.local_expert_count = torch.zeros(self._e_local, dtype=torch.int32, device=dev)
         self._last: EpDispatchRoutingHandle | None = None  # routing of the last finished dispatch
         self._pending_dispatch: dict[str, Any] | None = None  # sent, not yet received
         self._pending_combine: dict[str, Any] | None = None
@@ -361,7 +381,9 @@ class EpDispatchCombineOp:
                 f"at most max_num_inp_token_per_rank = {self._m}",
             )
         e_total = self._e_local * self.world_size
-        if t.numel() and bool(((t < -1) | (t >= e_total)).any()):
+        # (values are checked where that costs no device synchronisation; the kernels skip ids
+        # outside [0, e_total) like -1)
+        if t.device.type == "cpu" and t.numel() and bool(((t < -1) | (t >= e_total)).any()):
             bad = t[(t < -1) | (t >= e_total)][0].item()
             raise bad_value(func, "indices", f"contains {bad}", f"expert ids in [0, {e_total}) or -1 (none)")
         return t
@@ -429,7 +451,9 @@ class EpDispatchCombineOp:
                 f"None: routing handles need kernel_type {', '.join(k.name for k in _ROUTING_KERNELS)}, "
                 f"this op has {self.config.kernel_type.name}",
             )
-        if tuple(routing.dest_slot.shape) != (self.world_size, self._m) or routing.num_recv > self._r:
+        if tuple(routing.dest_slot.shape) != (self.world_size, self._m) or routing.dest_slot.device != (
+            self._recv_tok.device
+        ):
             raise bad_value(func, "routing", routing, "a handle made by an op with the same config")
 
     # -- dispatch --------------------------------------------------------------------------------
@@ -496,12 +520,27 @@ class EpDispatchCombineOp:
         input, weights, scales, indices = self._check_dispatch_args(
             func, input, weights, scales, indices, routing
         )
-        outputs = self._dispatch_send(input, weights, scales, indices, routing, call_local_expert_count)
+        if self._kern is not None:
+            self._kern.dispatch_send(input, weights, scales, indices, routing, block_num, warp_per_block)
+            self._pending_dispatch = {
+                "routing": routing,
+                "n": input.shape[0],
+                "count": call_local_expert_count,
+            }
+            outputs = self._dispatch_outputs(input, scales)
+        else:
+            outputs = self._dispatch_send(input, weights, scales, indices, routing, call_local_expert_count)
         if self.config.kernel_type != KT.AsyncLL:
             self._dispatch_recv(func)
         if return_routing:
-            assert self._last is not None
-            return (*outputs, self._last)
+            last = self._last
+            assert last is not None
+            if self._kern is not None:  # snapshot the live tables (device copies, no sync)
+                last = EpDispatchRoutingHandle(
+                    *(t.clone() for t in last.tensors()), num_tokens=last.num_tokens
+                )
+                self._last = last
+            return (*outputs, last)
         return outputs
 
     #: the original's name for the send half; the same call as :meth:`dispatch`
@@ -603,14 +642,31 @@ class EpDispatchCombineOp:
                 f"max_num_tokens_to_recv() = {self._r} rows; raise max_total_recv_tokens (the op is "
                 "unusable after this error)"
             )
+        return self._dispatch_outputs(input, scales)
+
+    def _dispatch_outputs(self, input: torch.Tensor, scales: torch.Tensor | None) -> tuple[Any, ...]:
+        nb = input.shape[1] * input.element_size()
         out = self._recv_tok[:, :nb].view(input.dtype)
-        out_s = None if scales is None else self._recv_scales[:, :sb].view(scales.dtype)
+        out_s = None
+        if scales is not None:
+            out_s = self._recv_scales[:, : scales.shape[1] * scales.element_size()].view(scales.dtype)
         return out, self._recv_w, out_s, self._recv_idx, self._total_recv
 
     def _dispatch_recv(self, func: str) -> None:
         pend = self._pending_dispatch
         assert pend is not None
         self._pending_dispatch = None
+        if self._kern is not None:
+            routing = pend["routing"]
+            self._kern.dispatch_recv(routing, pend["count"])
+            if routing is not None:
+                self._last = routing
+            else:
+                # the live tables: valid until the next dispatch (return_routing snapshots them)
+                self._last = EpDispatchRoutingHandle(
+                    self._kern.dest_slot, self._total_recv, self._recv_src, pend["n"]
+                )
+            return
         self._wait_all(func, 0, pend["epoch"])
         addr = self._ctrl_addr(pend["counter"])
         total = shmem.shmem_atomic_fetch(addr, self.rank)
@@ -731,7 +787,8 @@ class EpDispatchCombineOp:
                 use_external_inp_buf,
                 f"-1 or 1/True with quant_type={quant!r} (no zero-copy combine with wire quantisation)",
             )
-        total = handle.num_recv
+        # total_recv lives on the device with the kernels: checked only where that costs no sync
+        total = handle.num_recv if self._kern is None else 0
         input = self._tensor(func, "input", input, COMBINE_DTYPES, 2)
         h = input.shape[1]
         if input.shape[0] < total:
@@ -765,6 +822,24 @@ class EpDispatchCombineOp:
                     func, "weights.shape", list(weights.shape), f"[>= {total}, {self._k}] or None"
                 )
         self._check_indices(func, indices, handle.num_tokens)
+        if self._kern is not None:
+            self._kern.combine_send(input, weights, routing, block_num, warp_per_block)
+            out = torch.empty(self._m, h, dtype=input.dtype, device=input.device)
+            out_w = (
+                None
+                if weights is None
+                else torch.empty(self._m, self._k, dtype=torch.float32, device=out.device)
+            )
+            self._pending_combine = {
+                "handle": handle,
+                "routing": routing,
+                "out": out,
+                "out_w": out_w,
+                "launch": (block_num, warp_per_block),
+            }
+            if self.config.kernel_type != KT.AsyncLL:
+                self._combine_recv(func)
+            return out, out_w
 
         # push each received row to its source rank's staging buffer at [this rank, source token]
         w, rank = self.world_size, self.rank
@@ -834,6 +909,13 @@ class EpDispatchCombineOp:
         pend = self._pending_combine
         assert pend is not None
         self._pending_combine = None
+        if self._kern is not None:
+            handle = pend["handle"]
+            block_num, warps = pend["launch"]
+            self._kern.combine_recv(
+                pend["out"], pend["out_w"], handle.num_tokens, pend["routing"], block_num, warps
+            )
+            return
         self._wait_all(func, self.world_size, pend["epoch"])
         handle: EpDispatchRoutingHandle = pend["handle"]
         out, out_w = pend["out"], pend["out_w"]
@@ -868,7 +950,7 @@ class EpDispatchCombineOp:
         received row of the last dispatch (decode with :meth:`decode_send_flat_idx`)."""
         if self._last is None or self._pending_dispatch is not None:
             raise MoriStateError("EpDispatchCombineOp.get_dispatch_src_token_pos: no finished dispatch")
-        return self._last.recv_src_pos.clone()
+        return self._last.recv_src_pos[: self._last.num_recv].clone()
 
     def decode_send_flat_idx(self, pos: Any) -> tuple[Any, Any]:
         """Flat source position (int or int tensor) -> ``(src_rank, src_tok)``."""

@@ -1,0 +1,268 @@
+"""Host side of the Triton EP kernels: views, launch geometry, launches. No host synchronisation.
+
+:class:`KernelPath` belongs to one :class:`~mori.ep.EpDispatchCombineOp` and uses its symmetric
+buffers (the layout of the host path), plus its own control words and the ``dest_slot`` table on
+the device. Every call only launches kernels on the current stream: nothing here reads a device
+value on the host, so dispatch and combine can be captured in a CUDA graph and replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+import mori.shmem as shmem
+from mori.core.errors import MoriStateError
+
+if TYPE_CHECKING:
+    from mori.ep.op import EpDispatchCombineOp, EpDispatchRoutingHandle
+
+__all__ = ["KernelPath", "TileConfig"]
+
+_WORDS = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _pow2_at_most(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+def _word_size(*byte_counts: int) -> int:
+    """Widest word (4, 2 or 1 bytes) dividing every byte count (sizes, strides and addresses)."""
+    for w in (4, 2, 1):
+        if all(b % w == 0 for b in byte_counts):
+            return w
+    return 1
+
+
+def _as_words(t: torch.Tensor, word: int) -> torch.Tensor:
+    """A 2-D tensor with contiguous rows viewed as rows of ``word``-byte integers."""
+    return t.view(torch.uint8).view(_WORDS[word])
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile of one program: ``rows`` token rows by ``block`` words per step (powers of two)."""
+
+    rows: int
+    block: int
+
+    @staticmethod
+    def for_row(row_elems: int, target: int = 4096) -> TileConfig:
+        block = min(_pow2_at_least(row_elems), 2048)
+        return TileConfig(rows=max(1, min(16, target // block)), block=block)
+
+
+class KernelPath:
+    """Launches the kernels of :mod:`mori.ep.kernels` for one operator."""
+
+    def __init__(self, op: EpDispatchCombineOp) -> None:
+        # Triton is imported only when kernels are used (and after the caller chose TRITON_INTERPRET)
+        from mori.ep import kernels
+        from mori.shmem.device import shmem_device_context
+
+        self.kernels = kernels
+        self.op = op
+        dev = op._recv_tok.device
+        if dev.type == "cpu" and type(kernels.dispatch_send_kernel).__name__ != "InterpretedFunction":
+            raise MoriStateError(
+                "EpDispatchCombineOp: the cpu runtime runs the Triton kernels only in the interpreter; "
+                "set TRITON_INTERPRET=1 before triton is first imported, or use impl='host'"
+            )
+        w, m = op.world_size, op._m
+        self.device = dev
+        self.ctx = shmem_device_context()
+        self.ctrl = shmem.mori_shmem_create_tensor((4 * w + kernels.N_CTRL_EXTRA,), torch.int64)
+        self.ctrl.zero_()
+        op._symm.append(self.ctrl)
+        self.dest_slot = torch.full((w, m), -1, dtype=torch.int32, device=dev)
+        self.total_recv = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.is_gpu = dev.type != "cpu"
+        # Triton's num_warps is a power of two; AMD wavefronts are 64 wide, so at most 16 there
+        self.max_warps = 16 if torch.version.hip else 32
+
+    # -- geometry ------------------------------------------------------------------------------
+
+    def _grid(self, block_num: int) -> int:
+        n = self.op.config.block_num if block_num == -1 else block_num
+        return max(1, n)
+
+    def _warps(self, warp_per_block: int) -> int:
+        n = self.op.config.warp_num_per_block if warp_per_block == -1 else warp_per_block
+        return min(self.max_warps, _pow2_at_most(n))
+
+    # -- dispatch ------------------------------------------------------------------------------
+
+    def dispatch_send(
+        self,
+        input: torch.Tensor,
+        weights: torch.Tensor | None,
+        scales: torch.Tensor | None,
+        indices: torch.Tensor,
+        routing: EpDispatchRoutingHandle | None,
+        block_num: int,
+        warp_per_block: int,
+    ) -> None:
+        op, k = self.op, self.op._k
+        n, h = input.shape
+        nb = h * input.element_size()
+        row_bytes = op._row_bytes
+        word = _word_size(nb, input.stride(0) * input.element_size(), input.data_ptr(), row_bytes)
+        inp_w = _as_words(input, word)
+        recv_w = _as_words(op._recv_tok, word)
+        tile = TileConfig.for_row(nb // word)
+        indices = indices.contiguous()
+        wts = weights.contiguous() if weights is not None else op._recv_w  # unused when HAS_W=0
+        if scales is not None:
+            sc = scales.contiguous().view(torch.uint8)
+            sb, sc_stride = sc.shape[1], sc.stride(0)
+        else:
+            sc, sb, sc_stride = op._recv_scales, 0, 0
+        dest_slot = routing.dest_slot if routing is not None else self.dest_slot
+        self.kernels.dispatch_send_kernel[(self._grid(block_num),)](
+            inp_w,
+            inp_w.stride(0),
+            wts,
+            sc,
+            sc_stride,
+            indices,
+            n,
+            recv_w,
+            op._recv_w,
+            op._recv_scales,
+            op._recv_idx,
+            op._recv_src,
+            dest_slot,
+            self.ctrl,
+            self.ctx,
+            nb // word,
+            row_bytes // word,
+            sb,
+            op._scale_bytes,
+            op._m,
+            op._r,
+            op._e_local,
+            W=op.world_size,
+            K=k,
+            K_P2=_pow2_at_least(k),
+            W_P2=_pow2_at_least(op.world_size),
+            HAS_W=weights is not None,
+            HAS_SC=scales is not None and sb > 0,
+            REPLAY=routing is not None,
+            BT=tile.rows,
+            BLOCK=tile.block,
+            SC_BLOCK=min(256, _pow2_at_least(max(sb, 1))),
+            num_warps=self._warps(warp_per_block),
+        )
+
+    def dispatch_recv(self, routing: EpDispatchRoutingHandle | None, count: bool) -> None:
+        op = self.op
+        replay_total = routing.total_recv if routing is not None else self.total_recv
+        self.kernels.dispatch_recv_kernel[(1,)](
+            self.ctrl, self.total_recv, replay_total, W=op.world_size, REPLAY=routing is not None
+        )
+        if count:
+            self._local_expert_count()
+
+    def _local_expert_count(self) -> None:
+        # received (token, k) pairs per local expert, from the valid rows only; device ops, no sync
+        op = self.op
+        e = op._e_local
+        valid = torch.arange(op._r, device=self.device)[:, None] < self.total_recv.to(torch.int64)
+        local = op._recv_idx.to(torch.int64) - op.rank * e
+        mine = valid & (op._recv_idx >= 0) & (local >= 0) & (local < e)
+        counts = torch.zeros(e, dtype=torch.int32, device=self.device)
+        counts.scatter_add_(0, torch.where(mine, local, 0).flatten(), mine.to(torch.int32).flatten())
+        op.local_expert_count.copy_(counts)
+
+    # -- combine -------------------------------------------------------------------------------
+
+    def combine_send(
+        self,
+        input: torch.Tensor,
+        weights: torch.Tensor | None,
+        routing: EpDispatchRoutingHandle | None,
+        block_num: int,
+        warp_per_block: int,
+    ) -> None:
+        op, k = self.op, self.op._k
+        rows, h = input.shape
+        nb = h * input.element_size()
+        stage_bytes = op._stage_tok.shape[2]
+        word = _word_size(nb, input.stride(0) * input.element_size(), input.data_ptr(), stage_bytes)
+        inp_w = _as_words(input, word)
+        stage_w = _as_words(op._stage_tok.view(-1, stage_bytes), word)
+        tile = TileConfig.for_row(nb // word)
+        recv_src = routing.recv_src_pos if routing is not None else op._recv_src
+        total = routing.total_recv if routing is not None else self.total_recv
+        wts = weights.contiguous() if weights is not None else op._recv_w
+        self.kernels.combine_send_kernel[(self._grid(block_num),)](
+            inp_w,
+            inp_w.stride(0),
+            wts,
+            rows,
+            recv_src,
+            total,
+            stage_w,
+            op._stage_w,
+            self.ctrl,
+            self.ctx,
+            nb // word,
+            stage_bytes // word,
+            op._m,
+            W=op.world_size,
+            K=k,
+            K_P2=_pow2_at_least(k),
+            HAS_W=weights is not None,
+            BT=tile.rows,
+            BLOCK=tile.block,
+            num_warps=self._warps(warp_per_block),
+        )
+
+    def combine_recv(
+        self,
+        out: torch.Tensor,
+        out_w: torch.Tensor | None,
+        n_tok: int,
+        routing: EpDispatchRoutingHandle | None,
+        block_num: int,
+        warp_per_block: int,
+    ) -> None:
+        op, k = self.op, self.op._k
+        h = out.shape[1]
+        stage_bytes = op._stage_tok.shape[2]
+        stage = op._stage_tok.view(-1, stage_bytes).view(out.dtype)
+        tile = TileConfig.for_row(h)
+        dest_slot = routing.dest_slot if routing is not None else self.dest_slot
+        self.kernels.combine_recv_kernel[(self._grid(block_num),)](
+            out,
+            out_w if out_w is not None else op._stage_w,
+            stage,
+            op._stage_w,
+            dest_slot,
+            self.ctrl,
+            n_tok,
+            h,
+            stage.shape[1],
+            op._m,
+            W=op.world_size,
+            K=k,
+            K_P2=_pow2_at_least(k),
+            HAS_W=out_w is not None,
+            BT=tile.rows,
+            BLOCK=tile.block,
+            num_warps=self._warps(warp_per_block),
+        )
+
+
+def kernels_requested(device: torch.device, impl: str) -> bool:
+    """Whether an operator on ``device`` runs the Triton kernels for ``impl`` ("auto", "host" or
+    "triton"): "auto" means kernels on a GPU heap, the vectorised host path on the cpu runtime."""
+    if impl == "auto":
+        return device.type != "cpu"
+    return impl == "triton"
