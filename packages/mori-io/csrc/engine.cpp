@@ -1,0 +1,1126 @@
+// See engine.hpp for the design. Everything here runs without the GIL.
+#include "engine.hpp"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <random>
+
+namespace mori::io {
+
+namespace {
+
+std::atomic<int> g_log_level{30};
+
+#define MORI_IO_LOG(level, ...)                        \
+  do {                                                 \
+    if ((level) >= g_log_level.load()) {               \
+      std::fprintf(stderr, "[mori.io] " __VA_ARGS__); \
+      std::fputc('\n', stderr);                        \
+    }                                                  \
+  } while (0)
+
+int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string errno_text(int e) { return std::string(strerror(e)) + " (errno " + std::to_string(e) + ")"; }
+
+constexpr size_t kIovBatch = 1024;  // IOV_MAX on Linux
+
+// Moves `total` bytes through sendmsg/readv-like calls over an iovec list, advancing on partial
+// progress. `fn(iov, n)` returns bytes moved or -1 with errno. On failure returns the reason.
+template <typename Fn>
+std::string move_iov(std::vector<iovec>& iov, Fn fn, std::atomic<int64_t>* progress) {
+  size_t i = 0;
+  while (i < iov.size()) {
+    if (iov[i].iov_len == 0) {
+      ++i;
+      continue;
+    }
+    size_t n = std::min(kIovBatch, iov.size() - i);
+    ssize_t r = fn(&iov[i], n);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return "timed out (control-plane timeout)";
+      return errno_text(errno);
+    }
+    if (r == 0) return "connection closed by peer";
+    if (progress) progress->store(now_ms(), std::memory_order_relaxed);
+    size_t left = size_t(r);
+    while (left > 0 && i < iov.size()) {
+      if (left >= iov[i].iov_len) {
+        left -= iov[i].iov_len;
+        iov[i].iov_len = 0;
+        ++i;
+      } else {
+        iov[i].iov_base = static_cast<char*>(iov[i].iov_base) + left;
+        iov[i].iov_len -= left;
+        left = 0;
+      }
+    }
+  }
+  return "";
+}
+
+std::string send_iov(int fd, std::vector<iovec>& iov, std::atomic<int64_t>* progress) {
+  return move_iov(
+      iov,
+      [fd](iovec* v, size_t n) {
+        msghdr m{};
+        m.msg_iov = v;
+        m.msg_iovlen = n;
+        return ::sendmsg(fd, &m, MSG_NOSIGNAL);
+      },
+      progress);
+}
+
+std::string recv_iov(int fd, std::vector<iovec>& iov, std::atomic<int64_t>* progress) {
+  return move_iov(iov, [fd](iovec* v, size_t n) { return ::readv(fd, v, int(n)); }, progress);
+}
+
+std::string recv_all(int fd, void* buf, size_t len) {
+  std::vector<iovec> iov{{buf, len}};
+  return recv_iov(fd, iov, nullptr);
+}
+
+std::string drain(int fd, uint64_t len) {
+  std::vector<char> scratch(1 << 16);
+  while (len > 0) {
+    size_t n = size_t(std::min<uint64_t>(len, scratch.size()));
+    std::string err = recv_all(fd, scratch.data(), n);
+    if (!err.empty()) return err;
+    len -= n;
+  }
+  return "";
+}
+
+std::string send_msg(int fd, const Header& h, const void* body, const std::vector<iovec>* payload,
+                     std::atomic<int64_t>* progress) {
+  std::vector<iovec> iov;
+  iov.reserve(2 + (payload ? payload->size() : 0));
+  iov.push_back({const_cast<Header*>(&h), sizeof h});
+  if (h.body_len) iov.push_back({const_cast<void*>(body), h.body_len});
+  if (payload) iov.insert(iov.end(), payload->begin(), payload->end());
+  return send_iov(fd, iov, progress);
+}
+
+// Reads one header and its body; rejects anything the parser does not accept.
+std::string recv_msg(int fd, Header* h, std::vector<uint8_t>* body) {
+  std::string err = recv_all(fd, h, sizeof *h);
+  if (!err.empty()) return err;
+  err = check_header(*h);
+  if (!err.empty()) return "malformed message: " + err;
+  body->resize(h->body_len);
+  if (h->body_len) err = recv_all(fd, body->data(), h->body_len);
+  return err;
+}
+
+void set_timeouts(int fd, int64_t ms) {
+  timeval tv{};
+  tv.tv_sec = ms / 1000;
+  tv.tv_usec = (ms % 1000) * 1000;
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
+void tune_socket(int fd, int bufsize) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  if (bufsize > 0) {
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bufsize, sizeof bufsize);
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bufsize, sizeof bufsize);
+  }
+}
+
+// Waits for readability; false on timeout (or stop).
+int wait_readable(int fd, int ms) {
+  pollfd p{fd, POLLIN, 0};
+  int r = ::poll(&p, 1, ms);
+  return r;
+}
+
+bool equal_ct(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char d = 0;
+  for (size_t i = 0; i < a.size(); ++i) d |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return d == 0;
+}
+
+// Cross-memory attach of matching local/remote iovec lists (same lengths pairwise).
+// Returns 0 or the errno of the failure.
+int cma_copy(bool pull, pid_t pid, std::vector<iovec> local, std::vector<iovec> remote) {
+  size_t i = 0;
+  while (i < local.size()) {
+    if (local[i].iov_len == 0) {
+      ++i;
+      continue;
+    }
+    size_t n = std::min(kIovBatch, local.size() - i);
+    ssize_t r = pull ? ::process_vm_readv(pid, &local[i], n, &remote[i], n, 0)
+                     : ::process_vm_writev(pid, &local[i], n, &remote[i], n, 0);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (r == 0) return EFAULT;
+    size_t left = size_t(r);
+    while (left > 0 && i < local.size()) {
+      if (left >= local[i].iov_len) {
+        left -= local[i].iov_len;
+        local[i].iov_len = remote[i].iov_len = 0;
+        ++i;
+      } else {
+        local[i].iov_base = static_cast<char*>(local[i].iov_base) + left;
+        remote[i].iov_base = static_cast<char*>(remote[i].iov_base) + left;
+        local[i].iov_len -= left;
+        remote[i].iov_len -= left;
+        left = 0;
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+void set_log_level(int level) { g_log_level.store(level); }
+int log_level() { return g_log_level.load(); }
+
+// ---------------------------------------------------------------------------------------------
+// Status
+
+std::string Status::message() {
+  std::lock_guard<std::mutex> g(mu_);
+  return msg_;
+}
+
+void Status::set_in_progress() {
+  int expected = INIT;
+  code_.compare_exchange_strong(expected, IN_PROGRESS);
+}
+
+bool Status::complete(int code, const std::string& message) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (done()) return false;
+    msg_ = message;
+    code_.store(code, std::memory_order_release);
+  }
+  cv_.notify_all();
+  return true;
+}
+
+bool Status::wait_for(int64_t timeout_ms) {
+  if (done()) return true;
+  if (timeout_ms == 0) return false;
+  // A short spin catches small transfers on loopback without a futex sleep.
+  for (int i = 0; i < 200; ++i) {
+    if (done()) return true;
+    std::this_thread::yield();
+  }
+  std::unique_lock<std::mutex> g(mu_);
+  if (timeout_ms < 0) {
+    cv_.wait(g, [this] { return done(); });
+    return true;
+  }
+  return cv_.wait_for(g, std::chrono::milliseconds(timeout_ms), [this] { return done(); });
+}
+
+int wait_all(const std::vector<StatusPtr>& statuses, int64_t timeout_ms) {
+  int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+  int first_fail = SUCCESS;
+  for (const auto& s : statuses) {
+    int64_t left = deadline < 0 ? -1 : std::max<int64_t>(0, deadline - now_ms());
+    if (!s->wait_for(left)) return IN_PROGRESS;
+    if (s->code() != SUCCESS && first_fail == SUCCESS) first_fail = s->code();
+  }
+  return first_fail;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Transfer: the initiator's bookkeeping, shared by its parts; holds the local region pinned.
+
+struct Transfer {
+  Engine* eng = nullptr;
+  StatusPtr st;
+  RegionPtr local;
+  std::atomic<uint32_t> remaining{0};
+  std::mutex mu;
+  int fail_code = SUCCESS;
+  std::string fail_msg;
+
+  ~Transfer() {
+    if (local) eng->unpin(local);
+  }
+  void part_done(int code, const std::string& msg) {
+    if (code != SUCCESS) {
+      std::lock_guard<std::mutex> g(mu);
+      if (fail_code == SUCCESS) {
+        fail_code = code;
+        fail_msg = msg;
+      }
+    }
+    if (remaining.fetch_sub(1) == 1) {
+      std::lock_guard<std::mutex> g(mu);
+      st->complete(fail_code, fail_msg);
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Conn: one outbound connection to a peer.
+
+class Conn : public std::enable_shared_from_this<Conn> {
+ public:
+  Conn(Engine* eng, Peer* peer, int fd) : eng_(eng), peer_(peer), fd_(fd) {
+    last_progress_.store(now_ms());
+  }
+  ~Conn() { close(); }
+
+  void start() {
+    tx_ = std::thread([this] { tx_loop(); });
+    rx_ = std::thread([this] { rx_loop(); });
+  }
+  bool broken() const { return broken_.load(); }
+  uint8_t* nonce_buf() { return nonce_; }
+
+  void submit(const PartPtr& p) {
+    uint64_t id = eng_->next_req_id();
+    {
+      std::lock_guard<std::mutex> g(pmu_);
+      if (broken_) {
+        std::string why = why_;
+        p->xfer->part_done(ERR_BAD_STATE, why);
+        return;
+      }
+      pending_.emplace(id, p);
+    }
+    // Small messages go out from the caller when nobody else is sending: one wake-up less.
+    if (p->bytes <= (64u << 10) || (p->flags & kFlagCma) || p->op == kRead) {
+      std::unique_lock<std::mutex> s(send_mu_, std::try_to_lock);
+      if (s.owns_lock()) {
+        bool idle;
+        {
+          std::lock_guard<std::mutex> g(qmu_);
+          idle = q_.empty();
+        }
+        if (idle) {
+          send_part(id, *p);
+          return;
+        }
+      }
+    }
+    {
+      std::lock_guard<std::mutex> g(qmu_);
+      q_.emplace_back(id, p);
+    }
+    qcv_.notify_one();
+  }
+
+  void fail(const std::string& why) {
+    std::unordered_map<uint64_t, PartPtr> parts;
+    {
+      std::lock_guard<std::mutex> g(pmu_);
+      if (!broken_) {
+        broken_ = true;
+        why_ = "peer '" + peer_->key + "' (" + peer_->host + ":" + std::to_string(peer_->port) + "): " + why;
+        if (!stop_) MORI_IO_LOG(30, "%s", why_.c_str());
+      }
+      parts.swap(pending_);
+    }
+    ::shutdown(fd_, SHUT_RDWR);
+    qcv_.notify_all();
+    for (auto& kv : parts) kv.second->xfer->part_done(ERR_BAD_STATE, why_);
+  }
+
+  void close() {
+    if (closed_.exchange(true)) return;
+    stop_ = true;
+    fail("connection closed");
+    qcv_.notify_all();
+    if (tx_.joinable()) tx_.join();
+    if (rx_.joinable()) rx_.join();
+    ::close(fd_);
+  }
+
+ private:
+  void send_part(uint64_t id, const Part& p) {
+    Header h = make_header(p.op);
+    h.flags = p.flags;
+    h.req_id = id;
+    h.uid = p.uid;
+    h.mem_id = p.mem_id;
+    h.nsegs = uint32_t(p.segs.size());
+    h.body_len = uint32_t(p.segs.size() * sizeof(Seg));
+    h.total_parts = p.total_parts;
+    bool cma = p.flags & kFlagCma;
+    std::vector<Seg> wire(p.segs);
+    if (!cma)
+      for (Seg& s : wire) s.addr = 0;  // the target needs our addresses only to attach
+    std::vector<iovec> payload;
+    if (p.op == kWrite && !cma) {
+      h.payload_len = p.bytes;
+      payload.reserve(p.segs.size());
+      for (const Seg& s : p.segs) payload.push_back({reinterpret_cast<void*>(s.addr), s.len});
+    }
+    std::string err = send_msg(fd_, h, wire.data(), &payload, &last_progress_);
+    if (!err.empty()) fail("send failed: " + err);
+  }
+
+  void tx_loop() {
+    for (;;) {
+      std::pair<uint64_t, PartPtr> item;
+      {
+        std::unique_lock<std::mutex> g(qmu_);
+        qcv_.wait(g, [this] { return stop_ || broken_ || !q_.empty(); });
+        if (stop_ || broken_) {
+          q_.clear();
+          return;
+        }
+        item = std::move(q_.front());
+        q_.pop_front();
+      }
+      std::lock_guard<std::mutex> s(send_mu_);
+      if (broken_) continue;
+      send_part(item.first, *item.second);
+    }
+  }
+
+  PartPtr take(uint64_t id) {
+    std::lock_guard<std::mutex> g(pmu_);
+    auto it = pending_.find(id);
+    if (it == pending_.end()) return nullptr;
+    PartPtr p = it->second;
+    pending_.erase(it);
+    return p;
+  }
+
+  void rx_loop() {
+    Header h;
+    std::vector<uint8_t> body;
+    int64_t timeout = eng_->cp_timeout_ms();
+    while (!broken_) {
+      int r = wait_readable(fd_, 100);
+      if (r < 0 && errno != EINTR) {
+        fail("poll failed: " + errno_text(errno));
+        return;
+      }
+      if (r <= 0) {
+        bool waiting;
+        {
+          std::lock_guard<std::mutex> g(pmu_);
+          waiting = !pending_.empty();
+        }
+        if (!waiting) last_progress_.store(now_ms());
+        if (waiting && now_ms() - last_progress_.load() > timeout) {
+          fail("no answer within MORI_IO_CP_TIMEOUT_MS=" + std::to_string(timeout) + " ms");
+          return;
+        }
+        continue;
+      }
+      std::string err = recv_msg(fd_, &h, &body);
+      if (!err.empty()) {
+        fail(err);
+        return;
+      }
+      last_progress_.store(now_ms());
+      if (h.type != kAck && h.type != kReadData) {
+        fail("unexpected message type " + std::to_string(h.type));
+        return;
+      }
+      PartPtr p = take(h.req_id);
+      if (!p) {
+        fail("answer to an unknown request");
+        return;
+      }
+      std::string text(body.begin(), body.end());
+      if (h.type == kReadData && h.status == SUCCESS) {
+        if (p->op != kRead || h.payload_len != p->bytes) {
+          p->xfer->part_done(ERR_BAD_STATE, "read answer does not match the request");
+          fail("read answer does not match the request");
+          return;
+        }
+        std::vector<iovec> iov;
+        iov.reserve(p->segs.size());
+        for (const Seg& s : p->segs) iov.push_back({reinterpret_cast<void*>(s.addr), s.len});
+        err = recv_iov(fd_, iov, &last_progress_);
+        if (!err.empty()) {
+          p->xfer->part_done(ERR_BAD_STATE, "receiving read data: " + err);
+          fail("receiving read data: " + err);
+          return;
+        }
+        p->xfer->part_done(SUCCESS, "");
+      } else if (h.type == kAck && h.status == kCmaUnavailable) {
+        // Failover: the target cannot attach to us; the same part goes over the socket.
+        peer_->cma_ok = false;
+        eng_->failovers.fetch_add(1);
+        MORI_IO_LOG(20, "peer '%s': cross-memory attach refused (%s); using the socket", peer_->key.c_str(),
+                    text.c_str());
+        p->flags &= ~kFlagCma;
+        std::lock_guard<std::mutex> q(qmu_);
+        q_.emplace_back(eng_->next_req_id(), p);
+        {
+          std::lock_guard<std::mutex> g(pmu_);
+          if (broken_) {
+            q_.pop_back();
+            p->xfer->part_done(ERR_BAD_STATE, why_);
+            continue;
+          }
+          pending_.emplace(q_.back().first, p);
+        }
+        qcv_.notify_one();
+      } else {
+        if (h.status == SUCCESS && h.type == kAck && p->op == kRead && !(p->flags & kFlagCma)) {
+          p->xfer->part_done(ERR_BAD_STATE, "protocol error: read answered without data");
+          continue;
+        }
+        int code = h.status;
+        if (code != SUCCESS && (code < ERR_INVALID_ARGS || code > ERR_GPU_OP)) code = ERR_BAD_STATE;
+        p->xfer->part_done(code, text);
+      }
+    }
+  }
+
+  Engine* eng_;
+  Peer* peer_;
+  int fd_;
+  uint8_t nonce_[16] = {};
+  std::thread tx_, rx_;
+  std::mutex send_mu_;
+  std::mutex qmu_;
+  std::condition_variable qcv_;
+  std::deque<std::pair<uint64_t, PartPtr>> q_;
+  std::mutex pmu_;
+  std::unordered_map<uint64_t, PartPtr> pending_;
+  std::atomic<bool> broken_{false}, stop_{false}, closed_{false};
+  std::string why_;
+  std::atomic<int64_t> last_progress_{0};
+};
+
+// ---------------------------------------------------------------------------------------------
+// Engine
+
+Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  std::string port = std::to_string(cfg_.port);
+  int rc = ::getaddrinfo(cfg_.host.empty() ? nullptr : cfg_.host.c_str(), port.c_str(), &hints, &res);
+  if (rc != 0) throw std::runtime_error("cannot resolve host '" + cfg_.host + "': " + gai_strerror(rc));
+  std::string last = "no address";
+  for (addrinfo* ai = res; ai; ai = ai->ai_next) {
+    int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+    if (fd < 0) continue;
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 512) == 0) {
+      listen_fd_ = fd;
+      break;
+    }
+    last = errno_text(errno);
+    ::close(fd);
+  }
+  ::freeaddrinfo(res);
+  if (listen_fd_ < 0)
+    throw std::runtime_error("cannot listen on " + cfg_.host + ":" + std::to_string(cfg_.port) + ": " + last);
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len);
+  port_ = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                                         : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  acceptor_ = std::thread([this] { accept_loop(); });
+}
+
+Engine::~Engine() { shutdown(); }
+
+void Engine::shutdown() {
+  if (shut_.exchange(true)) return;
+  stop_ = true;
+  ::shutdown(listen_fd_, SHUT_RDWR);
+  if (acceptor_.joinable()) acceptor_.join();
+  ::close(listen_fd_);
+  std::vector<PeerPtr> peers;
+  {
+    std::lock_guard<std::mutex> g(peer_mu_);
+    for (auto& kv : peers_) peers.push_back(kv.second);
+    peers_.clear();
+  }
+  for (auto& p : peers) {
+    std::lock_guard<std::mutex> g(p->mu);
+    close_conns(p->conns);
+  }
+  std::vector<Server> servers;
+  {
+    std::lock_guard<std::mutex> g(srv_mu_);
+    servers.swap(servers_);
+  }
+  for (auto& s : servers) ::shutdown(s.fd, SHUT_RDWR);
+  for (auto& s : servers) {
+    s.th.join();
+    ::close(s.fd);
+  }
+}
+
+void Engine::configure_tcp(const TcpConfig& c) {
+  std::lock_guard<std::mutex> g(tcp_mu_);
+  tcp_ = c;
+}
+
+TcpConfig Engine::tcp_config() {
+  std::lock_guard<std::mutex> g(tcp_mu_);
+  return tcp_;
+}
+
+uint64_t Engine::register_memory(uintptr_t addr, uint64_t size, int loc, int device) {
+  auto r = std::make_shared<Region>();
+  r->addr = addr;
+  r->size = size;
+  r->loc = loc;
+  r->device = device;
+  std::lock_guard<std::mutex> g(reg_mu_);
+  r->id = ++next_region_;
+  regions_[r->id] = r;
+  return r->id;
+}
+
+bool Engine::deregister_memory(uint64_t id, int64_t timeout_ms) {
+  std::unique_lock<std::mutex> g(reg_mu_);
+  auto it = regions_.find(id);
+  if (it == regions_.end()) return true;
+  RegionPtr r = it->second;
+  r->alive = false;
+  regions_.erase(it);
+  auto idle = [&r] { return r->inflight == 0; };
+  if (timeout_ms < 0) {
+    reg_cv_.wait(g, idle);
+    return true;
+  }
+  return reg_cv_.wait_for(g, std::chrono::milliseconds(timeout_ms), idle);
+}
+
+bool Engine::has_memory(uint64_t id) {
+  std::lock_guard<std::mutex> g(reg_mu_);
+  return regions_.count(id) != 0;
+}
+
+RegionPtr Engine::pin(uint64_t id, const Seg* segs, size_t n, std::string* err) {
+  std::lock_guard<std::mutex> g(reg_mu_);
+  auto it = regions_.find(id);
+  if (it == regions_.end() || !it->second->alive) {
+    *err = "memory region " + std::to_string(id) + " of engine '" + cfg_.key +
+           "' is not registered (unknown or deregistered)";
+    return nullptr;
+  }
+  const RegionPtr& r = it->second;
+  for (size_t i = 0; i < n; ++i) {
+    if (segs[i].off > r->size || segs[i].len > r->size - segs[i].off) {
+      *err = "offset " + std::to_string(segs[i].off) + " + size " + std::to_string(segs[i].len) +
+             " is outside memory region " + std::to_string(id) + " of engine '" + cfg_.key + "' (" +
+             std::to_string(r->size) + " bytes)";
+      return nullptr;
+    }
+  }
+  ++r->inflight;
+  return r;
+}
+
+void Engine::unpin(const RegionPtr& r) {
+  bool wake;
+  {
+    std::lock_guard<std::mutex> g(reg_mu_);
+    wake = --r->inflight == 0 && !r->alive;
+  }
+  if (wake) reg_cv_.notify_all();
+}
+
+void Engine::record_inbound(const std::string& key, uint64_t uid, uint32_t total, int code,
+                            const std::string& msg) {
+  std::lock_guard<std::mutex> g(in_mu_);
+  Inbound& in = inbound_[{key, uid}];
+  in.total = total;
+  in.seen += 1;
+  if (code != SUCCESS && in.code == SUCCESS) {
+    in.code = code;
+    in.msg = msg;
+  }
+}
+
+std::optional<std::pair<int, std::string>> Engine::pop_inbound(const std::string& key, uint64_t uid) {
+  std::lock_guard<std::mutex> g(in_mu_);
+  auto it = inbound_.find({key, uid});
+  if (it == inbound_.end() || it->second.seen < it->second.total) return std::nullopt;
+  auto out = std::make_pair(it->second.code, it->second.msg);
+  inbound_.erase(it);
+  return out;
+}
+
+std::map<std::string, int64_t> Engine::counters() {
+  std::map<std::string, int64_t> c;
+  c["served_cma"] = served_cma.load();
+  c["served_socket"] = served_socket.load();
+  c["failovers"] = failovers.load();
+  {
+    std::lock_guard<std::mutex> g(in_mu_);
+    c["inbound_pending"] = int64_t(inbound_.size());
+  }
+  {
+    std::lock_guard<std::mutex> g(srv_mu_);
+    c["inbound_connections"] = int64_t(servers_.size());
+  }
+  {
+    std::lock_guard<std::mutex> g(reg_mu_);
+    c["regions"] = int64_t(regions_.size());
+  }
+  return c;
+}
+
+// -- target side --------------------------------------------------------------------------------
+
+void Engine::accept_loop() {
+  while (!stop_) {
+    int r = wait_readable(listen_fd_, 200);
+    if (stop_) return;
+    if (r <= 0) continue;
+    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    tune_socket(fd, tcp_config().socket_buffer_bytes);
+    set_timeouts(fd, cfg_.cp_timeout_ms);
+    std::lock_guard<std::mutex> g(srv_mu_);
+    // Reap progress threads whose connection ended, so a churn of peers does not pile up threads.
+    for (auto it = servers_.begin(); it != servers_.end();) {
+      if (it->finished->load()) {
+        it->th.join();
+        ::close(it->fd);
+        it = servers_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto finished = std::make_shared<std::atomic<bool>>(false);
+    servers_.push_back({fd, std::thread([this, fd, finished] { serve(fd, finished); }), finished});
+  }
+}
+
+void Engine::serve(int fd, std::shared_ptr<std::atomic<bool>> finished) {
+  struct Done {
+    std::shared_ptr<std::atomic<bool>> f;
+    ~Done() { f->store(true); }
+  } done{finished};
+  Header h;
+  std::vector<uint8_t> body;
+  // Handshake: the first message must be a HELLO presenting the token, if this engine has one.
+  if (wait_readable(fd, int(cfg_.cp_timeout_ms)) <= 0) return;
+  std::string err = recv_msg(fd, &h, &body);
+  if (!err.empty() || h.type != kHello) {
+    MORI_IO_LOG(30, "engine '%s': dropped a connection: %s", cfg_.key.c_str(),
+                err.empty() ? "first message is not HELLO" : err.c_str());
+    return;
+  }
+  std::vector<std::string> hello;
+  err = parse_strings(body.data(), body.size(), 3, &hello);
+  if (!err.empty()) {
+    MORI_IO_LOG(30, "engine '%s': dropped a connection: bad HELLO: %s", cfg_.key.c_str(), err.c_str());
+    return;
+  }
+  const std::string peer_key = hello[0];
+  const pid_t peer_pid = pid_t(h.mem_id);
+  const uint64_t nonce_addr = h.uid;
+  Header ack = make_header(kHelloAck);
+  std::vector<uint8_t> ack_body;
+  if (!cfg_.token.empty() && !equal_ct(hello[1], cfg_.token)) {
+    std::string why = "engine '" + cfg_.key + "' refused '" + peer_key + "': wrong or missing MORI_IO_AUTH_TOKEN";
+    MORI_IO_LOG(30, "%s", why.c_str());
+    ack.status = ERR_INVALID_ARGS;
+    ack_body.assign(why.begin(), why.end());
+    ack.body_len = uint32_t(ack_body.size());
+    send_msg(fd, ack, ack_body.data(), nullptr, nullptr);
+    return;
+  }
+  std::string nonce(16, '\0');
+  {
+    std::random_device rd;
+    for (char& c : nonce) c = char(rd() & 0xff);
+  }
+  append_string(&ack_body, cfg_.key);
+  append_string(&ack_body, cfg_.token);
+  append_string(&ack_body, nonce);
+  ack.body_len = uint32_t(ack_body.size());
+  if (!send_msg(fd, ack, ack_body.data(), nullptr, nullptr).empty()) return;
+
+  // 0: not checked yet, 1: the peer proved its pid (attach works), -1: attach unavailable.
+  int cma_state = (hello[2] == cfg_.node_id && peer_pid > 0) ? 0 : -1;
+  std::string cma_why = cma_state < 0 ? "peer is on another node" : "";
+  std::vector<Seg> segs;
+  while (!stop_) {
+    int r = wait_readable(fd, 200);
+    if (r < 0 && errno != EINTR) return;
+    if (r <= 0) continue;
+    err = recv_msg(fd, &h, &body);
+    if (!err.empty()) {
+      if (err != "connection closed by peer")
+        MORI_IO_LOG(30, "engine '%s': closing connection from '%s': %s", cfg_.key.c_str(), peer_key.c_str(),
+                    err.c_str());
+      return;
+    }
+    if (h.type != kWrite && h.type != kRead) {
+      MORI_IO_LOG(30, "engine '%s': unexpected message type %d from '%s'", cfg_.key.c_str(), int(h.type),
+                  peer_key.c_str());
+      return;
+    }
+    err = parse_segments(h, body.data(), &segs);
+    if (!err.empty()) {
+      MORI_IO_LOG(30, "engine '%s': malformed request from '%s': %s", cfg_.key.c_str(), peer_key.c_str(),
+                  err.c_str());
+      return;
+    }
+    const bool cma = h.flags & kFlagCma;
+    int code = SUCCESS;
+    std::string msg;
+    RegionPtr region = pin(h.mem_id, segs.data(), segs.size(), &msg);
+    if (!region) code = ERR_INVALID_ARGS;
+    if (region && region->loc != 1) {
+      code = ERR_INVALID_ARGS;
+      msg = "memory region " + std::to_string(h.mem_id) + " is not CPU memory; the TCP backend has no GPU staging";
+    }
+    std::vector<iovec> mine;
+    if (code == SUCCESS) {
+      mine.reserve(segs.size());
+      for (const Seg& s : segs) mine.push_back({reinterpret_cast<void*>(region->addr + s.off), s.len});
+    }
+    if (cma && code == SUCCESS) {
+      if (cma_state == 0) {
+        char got[16];
+        iovec l{got, 16}, rm{reinterpret_cast<void*>(nonce_addr), 16};
+        ssize_t n = ::process_vm_readv(peer_pid, &l, 1, &rm, 1, 0);
+        if (n == 16 && std::memcmp(got, nonce.data(), 16) == 0) {
+          cma_state = 1;
+        } else {
+          cma_state = -1;
+          cma_why = n < 0 ? errno_text(errno) : "the peer did not prove its process id";
+        }
+      }
+      if (cma_state < 0) {
+        code = kCmaUnavailable;
+        msg = cma_why;
+      } else {
+        std::vector<iovec> theirs;
+        theirs.reserve(segs.size());
+        for (const Seg& s : segs) theirs.push_back({reinterpret_cast<void*>(s.addr), s.len});
+        int e = cma_copy(h.type == kWrite, peer_pid, mine, theirs);
+        if (e == EPERM || e == EACCES || e == ENOSYS) {
+          cma_state = -1;
+          cma_why = errno_text(e);
+          code = kCmaUnavailable;
+          msg = cma_why;
+        } else if (e != 0) {
+          code = e == ESRCH ? ERR_BAD_STATE : ERR_INVALID_ARGS;
+          msg = "cross-memory attach to '" + peer_key + "' failed: " + errno_text(e);
+        } else {
+          served_cma.fetch_add(1);
+        }
+      }
+    }
+    if (!cma && h.type == kWrite) {
+      err = code == SUCCESS ? recv_iov(fd, mine, nullptr) : drain(fd, h.payload_len);
+      if (!err.empty()) {
+        if (region) unpin(region);
+        MORI_IO_LOG(30, "engine '%s': receiving write data from '%s': %s", cfg_.key.c_str(), peer_key.c_str(),
+                    err.c_str());
+        return;
+      }
+      if (code == SUCCESS) served_socket.fetch_add(1);
+    }
+    Header rep = make_header((!cma && h.type == kRead) ? kReadData : kAck);
+    rep.req_id = h.req_id;
+    rep.uid = h.uid;
+    rep.status = code;
+    if (msg.size() > kMaxText) msg.resize(kMaxText);
+    rep.body_len = code == SUCCESS ? 0 : uint32_t(msg.size());
+    std::vector<iovec>* payload = nullptr;
+    if (rep.type == kReadData && code == SUCCESS) {
+      uint64_t total = 0;
+      for (const Seg& s : segs) total += s.len;
+      rep.payload_len = total;
+      payload = &mine;
+      served_socket.fetch_add(1);
+    }
+    // Record before answering, so that the initiator seeing success implies the target knows.
+    if ((h.flags & kFlagNotify) && code != kCmaUnavailable) record_inbound(peer_key, h.uid, h.total_parts, code, msg);
+    err = send_msg(fd, rep, msg.data(), payload, nullptr);
+    if (region) unpin(region);
+    if (!err.empty()) return;
+  }
+}
+
+// -- initiator side -----------------------------------------------------------------------------
+
+void Engine::add_peer(const std::string& key, const std::string& host, uint16_t port, bool same_node) {
+  PeerPtr old;
+  auto p = std::make_shared<Peer>();
+  p->key = key;
+  p->host = host;
+  p->port = port;
+  p->same_node = same_node;
+  {
+    std::lock_guard<std::mutex> g(peer_mu_);
+    auto it = peers_.find(key);
+    if (it != peers_.end()) {
+      if (it->second->host == host && it->second->port == port) return;
+      old = it->second;
+    }
+    peers_[key] = p;
+  }
+  if (old) {
+    std::lock_guard<std::mutex> g(old->mu);
+    close_conns(old->conns);
+  }
+}
+
+void Engine::remove_peer(const std::string& key) {
+  PeerPtr p;
+  {
+    std::lock_guard<std::mutex> g(peer_mu_);
+    auto it = peers_.find(key);
+    if (it == peers_.end()) return;
+    p = it->second;
+    peers_.erase(it);
+  }
+  std::lock_guard<std::mutex> g(p->mu);
+  close_conns(p->conns);
+}
+
+bool Engine::peer_alive(const std::string& key) {
+  PeerPtr p;
+  {
+    std::lock_guard<std::mutex> g(peer_mu_);
+    auto it = peers_.find(key);
+    if (it == peers_.end()) return false;
+    p = it->second;
+  }
+  std::lock_guard<std::mutex> g(p->mu);
+  for (auto& c : p->conns)
+    if (c->broken()) return false;
+  return true;
+}
+
+void Engine::close_conns(std::vector<std::shared_ptr<Conn>>& conns) {
+  for (auto& c : conns) c->close();
+  conns.clear();
+}
+
+std::string Engine::connect_peer(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out) {
+  TcpConfig tcp = tcp_config();
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  std::string port = std::to_string(p->port);
+  int rc = ::getaddrinfo(p->host.c_str(), port.c_str(), &hints, &res);
+  if (rc != 0) return "cannot resolve '" + p->host + "': " + gai_strerror(rc);
+  std::unique_ptr<addrinfo, void (*)(addrinfo*)> guard(res, ::freeaddrinfo);
+  for (int i = 0; i < std::max(1, tcp.conns_per_peer); ++i) {
+    int fd = -1;
+    std::string last = "no address";
+    for (addrinfo* ai = res; ai && fd < 0; ai = ai->ai_next) {
+      fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
+      if (fd < 0) continue;
+      tune_socket(fd, tcp.socket_buffer_bytes);
+      if (::connect(fd, ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
+        last = errno_text(errno);
+        ::close(fd);
+        fd = -1;
+        continue;
+      }
+      pollfd pf{fd, POLLOUT, 0};
+      int e = 0;
+      socklen_t el = sizeof e;
+      if (::poll(&pf, 1, int(cfg_.cp_timeout_ms)) != 1) {
+        last = "connect timed out";
+        e = -1;
+      } else if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &el) != 0 || e != 0) {
+        last = errno_text(e);
+      }
+      if (e != 0) {
+        ::close(fd);
+        fd = -1;
+      }
+    }
+    if (fd < 0) return "cannot connect to " + p->host + ":" + port + ": " + last;
+    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+    set_timeouts(fd, cfg_.cp_timeout_ms);
+    auto conn = std::make_shared<Conn>(this, p.get(), fd);
+    Header h = make_header(kHello);
+    h.mem_id = uint64_t(::getpid());
+    h.uid = uint64_t(reinterpret_cast<uintptr_t>(conn->nonce_buf()));
+    std::vector<uint8_t> body;
+    append_string(&body, cfg_.key);
+    append_string(&body, cfg_.token);
+    append_string(&body, cfg_.node_id);
+    h.body_len = uint32_t(body.size());
+    std::string err = send_msg(fd, h, body.data(), nullptr, nullptr);
+    std::vector<uint8_t> rb;
+    Header a;
+    if (err.empty()) err = wait_readable(fd, int(cfg_.cp_timeout_ms)) > 0 ? recv_msg(fd, &a, &rb) : "no HELLO answer";
+    if (err.empty() && a.type != kHelloAck) err = "unexpected answer to HELLO";
+    if (err.empty() && a.status != 0) err = std::string(rb.begin(), rb.end());
+    std::vector<std::string> strs;
+    if (err.empty()) err = parse_strings(rb.data(), rb.size(), 3, &strs);
+    if (err.empty() && strs[0] != p->key)
+      err = "the engine listening there is '" + strs[0] + "', not '" + p->key + "'";
+    if (err.empty() && !cfg_.token.empty() && !equal_ct(strs[1], cfg_.token))
+      err = "peer did not present this engine's MORI_IO_AUTH_TOKEN";
+    if (err.empty() && strs[2].size() != 16) err = "bad HELLO answer";
+    if (!err.empty()) {
+      conn.reset();  // closes fd (threads not started)
+      return "handshake with " + p->host + ":" + port + " failed: " + err;
+    }
+    std::memcpy(conn->nonce_buf(), strs[2].data(), 16);
+    conn->start();
+    out->push_back(std::move(conn));
+  }
+  return "";
+}
+
+std::string Engine::peer_conns(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out) {
+  std::lock_guard<std::mutex> g(p->mu);
+  bool healthy = !p->conns.empty();
+  for (auto& c : p->conns) healthy = healthy && !c->broken();
+  if (!healthy) {
+    close_conns(p->conns);
+    std::string err = connect_peer(p, &p->conns);
+    if (!err.empty()) {
+      close_conns(p->conns);
+      return err;
+    }
+  }
+  *out = p->conns;
+  return "";
+}
+
+std::string Engine::route_of(const std::string& peer_key, uint64_t local_id, bool remote_cpu) {
+  PeerPtr p;
+  {
+    std::lock_guard<std::mutex> g(peer_mu_);
+    auto it = peers_.find(peer_key);
+    if (it == peers_.end()) return "";
+    p = it->second;
+  }
+  RegionPtr r;
+  {
+    std::lock_guard<std::mutex> g(reg_mu_);
+    auto it = regions_.find(local_id);
+    if (it != regions_.end()) r = it->second;
+  }
+  bool cma = tcp_config().enable_cma && p->same_node && p->cma_ok && remote_cpu && r && r->loc == 1;
+  return cma ? "tcp+cma" : "tcp";
+}
+
+StatusPtr Engine::post(uint16_t op, uint64_t local_id, const std::string& peer_key, uint64_t remote_id,
+                       const std::vector<uint64_t>& loffs, const std::vector<uint64_t>& roffs,
+                       const std::vector<uint64_t>& sizes, uint64_t uid, bool remote_cpu) {
+  auto st = std::make_shared<Status>();
+  const size_t n = sizes.size();
+  if (loffs.size() != n || roffs.size() != n) {
+    st->complete(ERR_INVALID_ARGS, "offset and size lists differ in length");
+    return st;
+  }
+  std::vector<Seg> local_segs(n);
+  for (size_t i = 0; i < n; ++i) local_segs[i] = {loffs[i], sizes[i], 0};
+  std::string err;
+  RegionPtr local = pin(local_id, local_segs.data(), n, &err);
+  if (!local) {
+    st->complete(ERR_INVALID_ARGS, "local: " + err);
+    return st;
+  }
+  auto xfer = std::make_shared<Transfer>();
+  xfer->eng = this;
+  xfer->st = st;
+  xfer->local = local;
+  if (local->loc != 1) {
+    st->complete(ERR_INVALID_ARGS, "local memory is not CPU memory; the TCP backend has no GPU staging");
+    return st;
+  }
+  PeerPtr peer;
+  {
+    std::lock_guard<std::mutex> g(peer_mu_);
+    auto it = peers_.find(peer_key);
+    if (it != peers_.end()) peer = it->second;
+  }
+  if (!peer) {
+    st->complete(ERR_NOT_FOUND, "remote engine '" + peer_key + "' is not registered");
+    return st;
+  }
+  std::vector<std::shared_ptr<Conn>> conns;
+  err = peer_conns(peer, &conns);
+  if (!err.empty()) {
+    st->complete(ERR_BAD_STATE, "remote engine '" + peer_key + "': " + err);
+    return st;
+  }
+  TcpConfig tcp = tcp_config();
+  uint32_t flags = tcp.enable_notification ? kFlagNotify : 0;
+  if (tcp.enable_cma && peer->same_node && peer->cma_ok && remote_cpu) flags |= kFlagCma;
+  const uint64_t chunk = std::max<uint64_t>(tcp.chunk_bytes, 4096);
+
+  // Merge blocks contiguous on both sides, then cut into parts of at most `chunk` bytes.
+  std::vector<Seg> segs;
+  segs.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (sizes[i] == 0) continue;
+    uintptr_t addr = local->addr + loffs[i];
+    if (!segs.empty() && segs.back().off + segs.back().len == roffs[i] &&
+        segs.back().addr + segs.back().len == addr) {
+      segs.back().len += sizes[i];
+    } else {
+      segs.push_back({roffs[i], sizes[i], addr});
+    }
+  }
+  std::vector<PartPtr> parts;
+  auto new_part = [&] {
+    auto p = std::make_shared<Part>();
+    p->xfer = xfer;
+    p->op = op;
+    p->flags = flags;
+    p->uid = uid;
+    p->mem_id = remote_id;
+    parts.push_back(p);
+    return p.get();
+  };
+  Part* cur = new_part();
+  for (const Seg& s0 : segs) {
+    Seg s = s0;
+    while (s.len > 0) {
+      if (cur->bytes >= chunk || cur->segs.size() >= kMaxSegs) cur = new_part();
+      uint64_t take = std::min(s.len, chunk - cur->bytes);
+      cur->segs.push_back({s.off, take, s.addr});
+      cur->bytes += take;
+      s.off += take;
+      s.addr += take;
+      s.len -= take;
+    }
+  }
+  const uint32_t total = uint32_t(parts.size());
+  xfer->remaining = total;
+  st->set_in_progress();
+  uint64_t base = peer->rr.fetch_add(total);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    parts[i]->total_parts = total;
+    conns[(base + i) % conns.size()]->submit(parts[i]);
+  }
+  return st;
+}
+
+}  // namespace mori::io

@@ -1,0 +1,217 @@
+// The native mori-io engine: a registration table, a TCP listener whose per-connection progress
+// threads serve one-sided reads and writes into registered memory, and outbound connections to
+// remote engines (several per peer) that carry striped, chunked transfers.
+//
+// Threads. One accept thread; per inbound connection one progress thread (it checks every
+// request against this engine's own registration table, moves the bytes and answers); per
+// outbound connection one sender thread (large messages, so the caller does not block) and one
+// receiver thread (completes statuses, lands read data directly in registered memory, fails
+// everything when the peer is silent longer than the control-plane timeout).
+//
+// Same-host peers: when both memories are CPU memory and the peer is on this node, the bytes of a
+// request move by cross-memory attach (process_vm_readv/writev) done by the *target*, so the
+// target still checks bounds against its own table. The initiator proves its pid at the first
+// such request (the target reads back a nonce it sent in the handshake). If the OS refuses
+// (EPERM, seccomp), the target answers "unavailable" and the initiator resends the same bytes
+// over the socket and stops using attach for that peer: a failover, not a failure.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "protocol.hpp"
+
+struct iovec;
+
+namespace mori::io {
+
+enum Code : int {
+  SUCCESS = 0,
+  INIT = 1,
+  IN_PROGRESS = 2,
+  ERR_INVALID_ARGS = 3,
+  ERR_NOT_FOUND = 4,
+  ERR_RDMA_OP = 5,
+  ERR_BAD_STATE = 6,
+  ERR_GPU_OP = 7,
+};
+constexpr int kCmaUnavailable = 100;  // internal answer: attach refused, resend over the socket
+
+void set_log_level(int level);
+int log_level();
+
+// State of one transfer as the initiator sees it; completed exactly once.
+class Status {
+ public:
+  int code() const { return code_.load(std::memory_order_acquire); }
+  bool done() const {
+    int c = code();
+    return c != INIT && c != IN_PROGRESS;
+  }
+  std::string message();
+  void set_in_progress();
+  bool complete(int code, const std::string& message);
+  // Waits until done; timeout_ms < 0 waits forever, 0 polls. Returns done().
+  bool wait_for(int64_t timeout_ms);
+
+ private:
+  std::atomic<int> code_{INIT};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::string msg_;
+};
+using StatusPtr = std::shared_ptr<Status>;
+
+// Waits for all; returns SUCCESS, the first failure's code, or IN_PROGRESS on timeout.
+int wait_all(const std::vector<StatusPtr>& statuses, int64_t timeout_ms);
+
+struct Region {
+  uint64_t id = 0;
+  uintptr_t addr = 0;
+  uint64_t size = 0;
+  int loc = 0;  // MemoryLocationType: 1 CPU, 2 GPU
+  int device = -1;
+  bool alive = true;
+  int64_t inflight = 0;  // guarded by Engine::reg_mu_
+};
+using RegionPtr = std::shared_ptr<Region>;
+
+struct TcpConfig {
+  int conns_per_peer = 4;
+  uint64_t chunk_bytes = 1 << 20;
+  int socket_buffer_bytes = 0;  // 0: kernel autotuning
+  bool enable_cma = true;
+  bool enable_notification = true;
+};
+
+struct EngineConfig {
+  std::string key;
+  std::string host;  // bind address; "" = all interfaces
+  uint16_t port = 0;
+  std::string node_id;
+  std::string token;
+  int64_t cp_timeout_ms = 30000;
+};
+
+class Engine;
+class Conn;
+struct Transfer;
+
+struct Part {
+  std::shared_ptr<Transfer> xfer;
+  uint16_t op = kWrite;
+  uint32_t flags = 0;
+  uint64_t uid = 0;
+  uint64_t mem_id = 0;
+  uint32_t total_parts = 1;
+  std::vector<Seg> segs;  // off: target offset; addr: initiator address (always filled locally)
+  uint64_t bytes = 0;
+};
+using PartPtr = std::shared_ptr<Part>;
+
+struct Peer {
+  std::string key, host;
+  uint16_t port = 0;
+  bool same_node = false;
+  std::mutex mu;
+  std::vector<std::shared_ptr<Conn>> conns;
+  std::atomic<bool> cma_ok{true};
+  std::atomic<uint64_t> rr{0};
+};
+using PeerPtr = std::shared_ptr<Peer>;
+
+struct Inbound {
+  uint32_t seen = 0, total = 1;
+  int code = SUCCESS;
+  std::string msg;
+};
+
+class Engine {
+ public:
+  explicit Engine(EngineConfig cfg);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  uint16_t port() const { return port_; }
+  const std::string& key() const { return cfg_.key; }
+  int64_t cp_timeout_ms() const { return cfg_.cp_timeout_ms; }
+  void configure_tcp(const TcpConfig& c);
+  TcpConfig tcp_config();
+
+  uint64_t register_memory(uintptr_t addr, uint64_t size, int loc, int device);
+  // Marks the region gone (new transfers on it fail with ERR_INVALID_ARGS), then waits until no
+  // transfer touches it. Returns false if transfers were still running after the timeout.
+  bool deregister_memory(uint64_t id, int64_t timeout_ms);
+  bool has_memory(uint64_t id);
+
+  void add_peer(const std::string& key, const std::string& host, uint16_t port, bool same_node);
+  void remove_peer(const std::string& key);
+  bool peer_alive(const std::string& key);
+
+  StatusPtr post(uint16_t op, uint64_t local_id, const std::string& peer_key, uint64_t remote_id,
+                 const std::vector<uint64_t>& loffs, const std::vector<uint64_t>& roffs,
+                 const std::vector<uint64_t>& sizes, uint64_t uid, bool remote_cpu);
+
+  std::optional<std::pair<int, std::string>> pop_inbound(const std::string& key, uint64_t uid);
+  std::string route_of(const std::string& peer_key, uint64_t local_id, bool remote_cpu);
+  std::map<std::string, int64_t> counters();
+  void shutdown();
+
+  // used by connections
+  RegionPtr pin(uint64_t id, const Seg* segs, size_t n, std::string* err);
+  void unpin(const RegionPtr& r);
+  void record_inbound(const std::string& key, uint64_t uid, uint32_t total, int code, const std::string& msg);
+  uint64_t next_req_id() { return req_ids_.fetch_add(1) + 1; }
+  const EngineConfig& cfg() const { return cfg_; }
+  std::atomic<int64_t> served_cma{0}, served_socket{0}, failovers{0};
+
+ private:
+  void accept_loop();
+  void serve(int fd, std::shared_ptr<std::atomic<bool>> finished);
+  std::string connect_peer(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out);
+  std::string peer_conns(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out);
+  void close_conns(std::vector<std::shared_ptr<Conn>>& conns);
+
+  EngineConfig cfg_;
+  std::mutex tcp_mu_;
+  TcpConfig tcp_;
+  int listen_fd_ = -1;
+  uint16_t port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread acceptor_;
+  struct Server {
+    int fd;
+    std::thread th;
+    std::shared_ptr<std::atomic<bool>> finished;
+  };
+  std::mutex srv_mu_;
+  std::vector<Server> servers_;
+
+  std::mutex reg_mu_;
+  std::condition_variable reg_cv_;
+  std::unordered_map<uint64_t, RegionPtr> regions_;
+  uint64_t next_region_ = 0;
+
+  std::mutex peer_mu_;
+  std::unordered_map<std::string, PeerPtr> peers_;
+
+  std::mutex in_mu_;
+  std::map<std::pair<std::string, uint64_t>, Inbound> inbound_;
+
+  std::atomic<uint64_t> req_ids_{0};
+  std::atomic<bool> shut_{false};
+};
+
+}  // namespace mori::io

@@ -1,0 +1,184 @@
+// mori.io._engine: the native boundary of mori-io. No libtorch, no GPU runtime: memory crosses as
+// integer addresses. Every call that can wait or move bytes releases the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "engine.hpp"
+
+namespace py = pybind11;
+using namespace mori::io;
+
+namespace {
+
+bool finished_ok(const StatusPtr& s) { return s->code() == SUCCESS; }
+bool finished_bad(const StatusPtr& s) { return s->done() && s->code() != SUCCESS; }
+
+uint16_t op_code(const std::string& op) {
+  if (op == "read") return kRead;
+  if (op == "write") return kWrite;
+  throw py::value_error("op=" + op + " is not allowed; expected 'read' or 'write'");
+}
+
+// Parses one complete message (header, body, payload) with the engine's own parser; raises
+// ValueError naming the defect. Exposed for the fuzz test: any input either parses or raises.
+py::dict parse_message(py::bytes data) {
+  std::string buf = data;
+  if (buf.size() < sizeof(Header)) throw py::value_error("message shorter than the 64-byte header");
+  Header h;
+  std::memcpy(&h, buf.data(), sizeof h);
+  std::string err = check_header(h);
+  if (!err.empty()) throw py::value_error("malformed message: " + err);
+  if (buf.size() != sizeof h + h.body_len + h.payload_len)
+    throw py::value_error("message length does not match header");
+  const auto* body = reinterpret_cast<const uint8_t*>(buf.data() + sizeof h);
+  py::dict out;
+  out["type"] = h.type;
+  out["flags"] = h.flags;
+  out["status"] = h.status;
+  out["req_id"] = h.req_id;
+  out["uid"] = h.uid;
+  out["mem_id"] = h.mem_id;
+  out["total_parts"] = h.total_parts;
+  out["payload_len"] = h.payload_len;
+  if (h.type == kWrite || h.type == kRead) {
+    std::vector<Seg> segs;
+    err = parse_segments(h, body, &segs);
+    if (!err.empty()) throw py::value_error("malformed message: " + err);
+    py::list l;
+    for (const Seg& s : segs) l.append(py::make_tuple(s.off, s.len, s.addr));
+    out["segments"] = l;
+  } else if (h.type == kHello || h.type == kHelloAck) {
+    std::vector<std::string> strs;
+    if (h.status == 0) {
+      err = parse_strings(body, h.body_len, 3, &strs);
+      if (!err.empty()) throw py::value_error("malformed message: " + err);
+    }
+    py::list l;
+    for (auto& s : strs) l.append(py::bytes(s));
+    out["strings"] = l;
+  } else {
+    out["text"] = py::bytes(reinterpret_cast<const char*>(body), h.body_len);
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_engine, m) {
+  m.doc() = "Native engine of mori-io: registration table, TCP control/data plane, progress threads.";
+
+  py::enum_<Code>(m, "StatusCode", py::arithmetic(), "Result of a transfer (TransferStatus.Code()).")
+      .value("SUCCESS", SUCCESS)
+      .value("INIT", INIT)
+      .value("IN_PROGRESS", IN_PROGRESS)
+      .value("ERR_INVALID_ARGS", ERR_INVALID_ARGS)
+      .value("ERR_NOT_FOUND", ERR_NOT_FOUND)
+      .value("ERR_RDMA_OP", ERR_RDMA_OP)
+      .value("ERR_BAD_STATE", ERR_BAD_STATE)
+      .value("ERR_GPU_OP", ERR_GPU_OP);
+
+  py::class_<Status, StatusPtr>(m, "TransferStatus",
+                                "State of one asynchronous transfer; completed exactly once by the engine.")
+      .def(py::init<>())
+      .def("Code", [](const StatusPtr& s) { return Code(s->code()); }, "Current StatusCode.")
+      .def("Message", [](const StatusPtr& s) { return s->message(); }, "Error text ('' on success).")
+      .def("Init", [](const StatusPtr& s) { return s->code() == INIT; }, "Not started yet.")
+      .def("InProgress", [](const StatusPtr& s) { return s->code() == IN_PROGRESS; }, "Posted, not finished.")
+      .def("Succeeded", &finished_ok, "Finished and every byte arrived.")
+      .def("Failed", &finished_bad, "Finished with an error (Code() says which).")
+      .def(
+          "Wait", [](const StatusPtr& s) { s->wait_for(-1); }, py::call_guard<py::gil_scoped_release>(),
+          "Block until finished (GIL released).")
+      .def(
+          "WaitFor", [](const StatusPtr& s, int64_t ms) { return s->wait_for(ms); }, py::arg("timeout_ms"),
+          py::call_guard<py::gil_scoped_release>(),
+          "Block up to timeout_ms milliseconds (<0 forever, 0 polls once); True if finished. GIL released.")
+      .def(
+          "_set_in_progress", [](const StatusPtr& s) { s->set_in_progress(); },
+          "For Python backends: mark a posted transfer.")
+      .def(
+          "_complete", [](const StatusPtr& s, int code, const std::string& msg) { return s->complete(code, msg); },
+          py::arg("code"), py::arg("message") = "",
+          "For Python backends: finish the status once (later calls return False).")
+      .def("__repr__", [](const StatusPtr& s) {
+        std::string name = py::str(py::cast(Code(s->code())));
+        std::string msg = s->message();
+        return "<TransferStatus " + name + (msg.empty() ? "" : ": " + msg) + ">";
+      });
+
+  m.def(
+      "wait_all",
+      [](const std::vector<StatusPtr>& statuses, int64_t timeout_ms) { return Code(wait_all(statuses, timeout_ms)); },
+      py::arg("statuses"), py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>(),
+      "Wait for every status: SUCCESS, the first failure's code, or IN_PROGRESS on timeout.");
+  m.def("set_log_level", &set_log_level, py::arg("level"), "Native log threshold (logging levels: 10..50).");
+  m.def("get_log_level", &log_level, "Native log threshold.");
+  m.def("_parse_message", &parse_message, py::arg("data"),
+        "Parse one complete wire message (for tests); raises ValueError when malformed.");
+
+  py::class_<Engine>(m, "Engine", "Native engine; mori.io.IOEngine wraps it.")
+      .def(py::init([](const std::string& key, const std::string& host, uint16_t port, const std::string& node_id,
+                       const std::string& token, int64_t cp_timeout_ms) {
+             EngineConfig c{key, host, port, node_id, token, cp_timeout_ms};
+             py::gil_scoped_release nogil;
+             return new Engine(c);
+           }),
+           py::arg("key"), py::arg("host"), py::arg("port"), py::arg("node_id"), py::arg("token"),
+           py::arg("cp_timeout_ms"))
+      .def_property_readonly("port", &Engine::port, "TCP port the engine listens on.")
+      .def(
+          "configure_tcp",
+          [](Engine& e, int conns, uint64_t chunk, int sockbuf, bool cma, bool notify) {
+            e.configure_tcp(TcpConfig{conns, chunk, sockbuf, cma, notify});
+          },
+          py::arg("conns_per_peer"), py::arg("chunk_bytes"), py::arg("socket_buffer_bytes"), py::arg("enable_cma"),
+          py::arg("enable_notification"), "Settings of the TCP backend (apply to new connections).")
+      .def("register_memory", &Engine::register_memory, py::arg("addr"), py::arg("size"), py::arg("loc"),
+           py::arg("device"), "Add a region to the table; returns its id.")
+      .def("deregister_memory", &Engine::deregister_memory, py::arg("id"), py::arg("timeout_ms"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Remove a region, then wait for transfers touching it; False if some still ran at the timeout.")
+      .def("has_memory", &Engine::has_memory, py::arg("id"))
+      .def("add_peer", &Engine::add_peer, py::arg("key"), py::arg("host"), py::arg("port"), py::arg("same_node"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("remove_peer", &Engine::remove_peer, py::arg("key"), py::call_guard<py::gil_scoped_release>())
+      .def("peer_alive", &Engine::peer_alive, py::arg("key"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "post",
+          [](Engine& e, const std::string& op, uint64_t local_id, const std::string& key, uint64_t remote_id,
+             std::vector<uint64_t> loffs, std::vector<uint64_t> roffs, std::vector<uint64_t> sizes, uint64_t uid,
+             bool remote_cpu) {
+            uint16_t o = op_code(op);
+            py::gil_scoped_release nogil;
+            return e.post(o, local_id, key, remote_id, loffs, roffs, sizes, uid, remote_cpu);
+          },
+          py::arg("op"), py::arg("local_id"), py::arg("peer_key"), py::arg("remote_id"), py::arg("local_offsets"),
+          py::arg("remote_offsets"), py::arg("sizes"), py::arg("uid"), py::arg("remote_cpu"),
+          "Start a transfer of blocks; returns its TransferStatus.")
+      .def(
+          "post1",
+          [](Engine& e, const std::string& op, uint64_t local_id, const std::string& key, uint64_t remote_id,
+             uint64_t loff, uint64_t roff, uint64_t size, uint64_t uid, bool remote_cpu) {
+            uint16_t o = op_code(op);
+            py::gil_scoped_release nogil;
+            return e.post(o, local_id, key, remote_id, {loff}, {roff}, {size}, uid, remote_cpu);
+          },
+          py::arg("op"), py::arg("local_id"), py::arg("peer_key"), py::arg("remote_id"), py::arg("local_offset"),
+          py::arg("remote_offset"), py::arg("size"), py::arg("uid"), py::arg("remote_cpu"),
+          "Start a transfer of one block; returns its TransferStatus.")
+      .def(
+          "pop_inbound",
+          [](Engine& e, const std::string& key, uint64_t uid) -> py::object {
+            auto r = e.pop_inbound(key, uid);
+            if (!r) return py::none();
+            auto s = std::make_shared<Status>();
+            s->complete(r->first, r->second);
+            return py::cast(s);
+          },
+          py::arg("key"), py::arg("uid"), "Finished inbound transfer (initiator key, uid) or None.")
+      .def("route_of", &Engine::route_of, py::arg("peer_key"), py::arg("local_id"), py::arg("remote_cpu"),
+           "'tcp+cma' or 'tcp': how bytes to this peer move now; '' if the peer is unknown.")
+      .def("counters", &Engine::counters, "Requests served, failovers, table sizes.")
+      .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>(),
+           "Close every connection and stop the threads; pending transfers fail.");
+}

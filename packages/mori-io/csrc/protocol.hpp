@@ -1,0 +1,144 @@
+// Wire format of the mori-io engine: every message is a fixed 64-byte header, a body of
+// `body_len` bytes (segments or text) and, for data-carrying messages, `payload_len` raw bytes.
+// The parser here is the only code that interprets bytes from a peer; it rejects anything
+// malformed or larger than the limits below before a single byte of memory is touched.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace mori::io {
+
+constexpr uint32_t kMagic = 0x4f49524d;  // "MRIO"
+constexpr uint16_t kVersion = 1;
+constexpr uint32_t kMaxSegs = 32768;                 // segments in one message
+constexpr uint32_t kMaxText = 4096;                  // HELLO strings, error messages
+constexpr uint64_t kMaxPayload = uint64_t(1) << 31;  // 2 GiB per message
+constexpr uint32_t kMaxParts = 1u << 24;
+
+enum MsgType : uint16_t {
+  kHello = 1,     // initiator -> target: key, token, node id; mem_id = pid, uid = connection index
+  kHelloAck = 2,  // target -> initiator: key, token; status != 0 means refused (body = reason)
+  kWrite = 3,     // segments then payload (or no payload with kFlagCma: target pulls)
+  kRead = 4,      // segments; answered by kReadData (payload) or kAck (kFlagCma: target pushed)
+  kAck = 5,       // status of a kWrite / CMA kRead; body = error message
+  kReadData = 6,  // status + payload of a kRead; body = error message
+};
+
+enum MsgFlags : uint32_t {
+  kFlagCma = 1,     // bytes move by cross-memory attach done by the target, not over the socket
+  kFlagNotify = 2,  // target records an inbound status for (initiator key, uid)
+};
+constexpr uint32_t kKnownFlags = kFlagCma | kFlagNotify;
+
+#pragma pack(push, 1)
+struct Header {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t type;
+  uint32_t flags;
+  int32_t status;
+  uint64_t req_id;
+  uint64_t uid;
+  uint64_t mem_id;
+  uint32_t nsegs;
+  uint32_t body_len;
+  uint64_t payload_len;
+  uint32_t total_parts;  // parts of the transfer `uid` (the target completes its inbound status at the last)
+  uint32_t reserved;
+};
+// One block of a transfer: offset in the target's region, length, and (CMA only) the initiator's address.
+struct Seg {
+  uint64_t off;
+  uint64_t len;
+  uint64_t addr;
+};
+#pragma pack(pop)
+static_assert(sizeof(Header) == 64, "header is 64 bytes on the wire");
+static_assert(sizeof(Seg) == 24, "segment is 24 bytes on the wire");
+
+inline Header make_header(uint16_t type) {
+  Header h;
+  std::memset(&h, 0, sizeof h);
+  h.magic = kMagic;
+  h.version = kVersion;
+  h.type = type;
+  return h;
+}
+
+// Checks a header on its own; the body is checked by parse_segments / parse_strings.
+// Returns an empty string when valid, else the reason.
+inline std::string check_header(const Header& h) {
+  if (h.magic != kMagic) return "bad magic";
+  if (h.version != kVersion) return "unsupported protocol version " + std::to_string(h.version);
+  if (h.flags & ~kKnownFlags) return "unknown flags";
+  if (h.reserved != 0) return "reserved field not zero";
+  if (h.payload_len > kMaxPayload) return "payload larger than 2 GiB";
+  switch (h.type) {
+    case kHello:
+    case kHelloAck:
+    case kAck:
+      if (h.nsegs != 0 || h.payload_len != 0) return "control message with segments or payload";
+      if (h.body_len > kMaxText) return "text body too long";
+      return "";
+    case kReadData:
+      if (h.nsegs != 0) return "read data with segments";
+      if (h.body_len > kMaxText) return "text body too long";
+      if (h.status != 0 && h.payload_len != 0) return "failed read carries payload";
+      return "";
+    case kWrite:
+    case kRead:
+      if (h.nsegs > kMaxSegs) return "too many segments";
+      if (uint64_t(h.body_len) != uint64_t(h.nsegs) * sizeof(Seg)) return "body length does not match segments";
+      if (h.total_parts == 0 || h.total_parts > kMaxParts) return "bad part count";
+      if (h.type == kRead && h.payload_len != 0) return "read request carries payload";
+      if ((h.flags & kFlagCma) && h.payload_len != 0) return "CMA request carries payload";
+      if (h.status != 0) return "request with a status";
+      return "";
+    default:
+      return "unknown message type " + std::to_string(h.type);
+  }
+}
+
+// Segments of a kWrite/kRead body; checks sizes add up (no overflow) and match the payload.
+inline std::string parse_segments(const Header& h, const uint8_t* body, std::vector<Seg>* out) {
+  out->resize(h.nsegs);
+  if (h.nsegs) std::memcpy(out->data(), body, size_t(h.nsegs) * sizeof(Seg));
+  uint64_t total = 0;
+  for (const Seg& s : *out) {
+    if (s.len > kMaxPayload || s.off > (uint64_t(1) << 62)) return "segment out of range";
+    total += s.len;
+    if (total > kMaxPayload) return "segments larger than 2 GiB";
+  }
+  if (h.type == kWrite && !(h.flags & kFlagCma) && total != h.payload_len)
+    return "payload length does not match segments";
+  return "";
+}
+
+// Length-prefixed strings (u32 length + bytes) that must fill the body exactly.
+inline std::string parse_strings(const uint8_t* body, size_t len, size_t count, std::vector<std::string>* out) {
+  out->clear();
+  size_t pos = 0;
+  for (size_t i = 0; i < count; ++i) {
+    if (len - pos < 4) return "truncated string length";
+    uint32_t n;
+    std::memcpy(&n, body + pos, 4);
+    pos += 4;
+    if (n > len - pos) return "string longer than body";
+    out->emplace_back(reinterpret_cast<const char*>(body + pos), n);
+    pos += n;
+  }
+  if (pos != len) return "trailing bytes after strings";
+  return "";
+}
+
+inline void append_string(std::vector<uint8_t>* body, const std::string& s) {
+  uint32_t n = uint32_t(s.size());
+  const auto* p = reinterpret_cast<const uint8_t*>(&n);
+  body->insert(body->end(), p, p + 4);
+  body->insert(body->end(), s.begin(), s.end());
+}
+
+}  // namespace mori::io

@@ -1,0 +1,95 @@
+"""Every ``MORI_IO_*`` environment variable mori-io reads, parsed and validated in one place.
+
+Values are read when an engine or backend is created, never at import. ``mori env`` lists them
+(through the ``mori_env_vars`` hook in :mod:`mori.io.cli`). ``MORI_NODE_ID`` (mori-core) decides
+which engines share a host.
+"""
+
+from __future__ import annotations
+
+from mori.core.env import EnvVar, choice, parse_bool, parse_size
+
+LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "critical")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError("must be a whole number larger than 0")
+    return value
+
+
+MORI_IO_CP_TIMEOUT_MS = EnvVar(
+    "MORI_IO_CP_TIMEOUT_MS",
+    "30000",
+    "Milliseconds a peer may stay silent while transfers to it are pending (and a connect or "
+    "handshake may take) before those transfers fail with ERR_BAD_STATE; also bounds how long "
+    "deregister_memory waits for transfers on the region.",
+    "5000",
+    _positive_int,
+    "a whole number of milliseconds > 0",
+)
+MORI_IO_AUTH_TOKEN = EnvVar(
+    "MORI_IO_AUTH_TOKEN",
+    None,
+    "Shared secret: an engine with a token refuses peers that do not present the same token, in "
+    "both directions. Sent in clear text: it keeps strangers and misconfigured jobs out, it is not "
+    "encryption.",
+    "s3cret-job-42",
+    str,
+)
+MORI_IO_LOG_LEVEL = EnvVar(
+    "MORI_IO_LOG_LEVEL",
+    "warning",
+    "Log threshold of the engine (native messages go to stderr).",
+    "info",
+    lambda text: choice(*LOG_LEVELS)(text.strip().lower()),
+    ", ".join(LOG_LEVELS),
+)
+MORI_IO_ENABLE_NOTIFICATION = EnvVar(
+    "MORI_IO_ENABLE_NOTIFICATION",
+    None,
+    "Overrides the backend config's enable_notification: whether targets record inbound statuses "
+    "for pop_inbound_transfer_status.",
+    "0",
+    parse_bool,
+    "1/0, on/off, true/false, yes/no",
+)
+MORI_IO_CHUNK_BYTES = EnvVar(
+    "MORI_IO_CHUNK_BYTES",
+    None,
+    "Overrides TcpBackendConfig.chunk_bytes: largest piece of a transfer sent as one message; "
+    "pieces are striped over the connections of a peer.",
+    "4M",
+    parse_size,
+    "a byte count such as 262144, 1M, 4M",
+)
+MORI_IO_TCP_CONNS_PER_PEER = EnvVar(
+    "MORI_IO_TCP_CONNS_PER_PEER",
+    None,
+    "Overrides TcpBackendConfig.num_connections_per_peer.",
+    "8",
+    _positive_int,
+    "a whole number > 0",
+)
+MORI_IO_TCP_CMA = EnvVar(
+    "MORI_IO_TCP_CMA",
+    None,
+    "Overrides TcpBackendConfig.enable_cma: let same-host peers move CPU bytes by cross-memory "
+    "attach (process_vm_readv/writev) instead of the socket; falls back to the socket where the OS "
+    "refuses.",
+    "0",
+    parse_bool,
+    "1/0, on/off, true/false, yes/no",
+)
+
+#: every variable mori-io reads, in the order `mori env` prints them
+ALL: tuple[EnvVar[object], ...] = (
+    MORI_IO_CP_TIMEOUT_MS,  # type: ignore[assignment]
+    MORI_IO_AUTH_TOKEN,
+    MORI_IO_LOG_LEVEL,
+    MORI_IO_ENABLE_NOTIFICATION,
+    MORI_IO_CHUNK_BYTES,
+    MORI_IO_TCP_CONNS_PER_PEER,
+    MORI_IO_TCP_CMA,
+)
