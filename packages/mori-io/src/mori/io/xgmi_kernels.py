@@ -1,0 +1,95 @@
+# Jitted functions carry no Python annotations (Triton reads them), so mypy may not ask for them:
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+"""The scatter-gather copy kernel of the XGMI backend: many small blocks in one launch.
+
+Algorithm. A batch of ``n`` copies is a descriptor table of int64 words ``[3, n]``: row 0 the
+destination addresses, row 1 the source addresses, row 2 the sizes in *words* of ``WORD_BYTES``
+bytes (the host picks the widest word, 8/4/2/1 bytes, that every address and size of the batch is
+a multiple of). The grid is ``(n, split)``: program ``(i, j)`` copies the ``j``-th of ``split``
+equal shares of block ``i`` (shares are rounded up to ``BLOCK`` words, so some programs of a small
+block copy nothing), ``BLOCK`` words per iteration. Addresses are unified virtual addresses: local
+GPU memory, a peer GPU's memory mapped with IPC (the loads or stores then cross NVLink/xGMI), or
+under ``TRITON_INTERPRET=1`` host memory. No program waits for another, so any launch order is
+correct, the interpreter's included.
+
+The table lives in memory the GPU can read: pinned host memory mapped into the device (no copy
+before the launch) or device memory. Every load and store is masked to its block's length, so
+blocks of any size, and padding programs, touch nothing outside the blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+import triton.language as tl
+
+from mori.core.kernels import aot_variants, device_function
+
+__all__ = ["DEFAULT_BLOCK", "WORD_TYPES", "scatter_gather_kernel"]
+
+#: words per iteration of one program
+DEFAULT_BLOCK = 1024
+#: word width in bytes -> the Triton type the kernel copies it as
+WORD_TYPES = {8: "i64", 4: "i32", 2: "i16", 1: "u8"}
+
+
+def _variants() -> list[dict[str, Any]]:
+    # one variant per word width the host launches with (the table is 16-byte aligned)
+    return [
+        {
+            "signature": {"desc_ptr": "*i64", "n_blocks": "i32", "split": "i32"},
+            "constexprs": {"WORD_BYTES": word, "BLOCK": DEFAULT_BLOCK},
+            "aligned": ("desc_ptr",),
+            "label": f"{WORD_TYPES[word]} BLOCK={DEFAULT_BLOCK}",
+        }
+        for word in WORD_TYPES
+    ]
+
+
+@device_function
+@triton.jit
+def _as_word_pointer(addr, WORD_BYTES: tl.constexpr):
+    """The int64 address ``addr`` as a pointer to words of ``WORD_BYTES`` bytes."""
+    if WORD_BYTES == 8:
+        ptr = addr.to(tl.pointer_type(tl.int64), bitcast=True)
+    elif WORD_BYTES == 4:
+        ptr = addr.to(tl.pointer_type(tl.int32), bitcast=True)
+    elif WORD_BYTES == 2:
+        ptr = addr.to(tl.pointer_type(tl.int16), bitcast=True)
+    else:
+        ptr = addr.to(tl.pointer_type(tl.uint8), bitcast=True)
+    return ptr
+
+
+@aot_variants(_variants())
+@triton.jit
+def scatter_gather_kernel(
+    # pointer: the descriptor table, int64 [3, n_blocks] (dst addresses, src addresses, sizes in words)
+    desc_ptr,
+    # sizes: blocks in the table, programs per block (grid = (n_blocks, split))
+    n_blocks,
+    split,
+    # word width in bytes (8, 4, 2, 1) and words per iteration
+    WORD_BYTES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program ``(i, j)`` copies share ``j`` of block ``i`` (see the module docstring)."""
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    dst_addr = tl.load(desc_ptr + i)
+    src_addr = tl.load(desc_ptr + n_blocks + i)
+    n_words = tl.load(desc_ptr + 2 * n_blocks + i)
+    dst = _as_word_pointer(dst_addr, WORD_BYTES)
+    src = _as_word_pointer(src_addr, WORD_BYTES)
+    # share of this program: a multiple of BLOCK words, so every iteration but a block's last is full
+    share = tl.cdiv(tl.cdiv(n_words, split), BLOCK) * BLOCK
+    start = j.to(tl.int64) * share
+    end = tl.minimum(start + share, n_words)
+    offs = tl.arange(0, BLOCK)
+    base = start
+    while base < end:
+        idx = base + offs
+        mask = idx < end  # the block's tail (and nothing past its end) is copied
+        tl.store(dst + idx, tl.load(src + idx, mask=mask), mask=mask)
+        base += BLOCK
