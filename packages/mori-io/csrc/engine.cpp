@@ -338,7 +338,8 @@ class Conn : public std::enable_shared_from_this<Conn> {
       if (!broken_) {
         broken_ = true;
         why_ = "peer '" + peer_->key + "' (" + peer_->host + ":" + std::to_string(peer_->port) + "): " + why;
-        if (!stop_) MORI_IO_LOG(30, "%s", why_.c_str());
+        // Only worth a warning when transfers fail with it; an idle peer going away is normal.
+        if (!stop_) MORI_IO_LOG(pending_.empty() ? 20 : 30, "%s", why_.c_str());
       }
       parts.swap(pending_);
     }
@@ -814,7 +815,10 @@ void Engine::serve(int fd, std::shared_ptr<std::atomic<bool>> finished) {
           cma_why = n < 0 ? errno_text(errno) : "the peer did not prove its process id";
         }
       }
-      if (cma_state < 0) {
+      if (refuse_cma) {
+        code = kCmaUnavailable;
+        msg = "test mode: attach refused";
+      } else if (cma_state < 0) {
         code = kCmaUnavailable;
         msg = cma_why;
       } else {

@@ -176,6 +176,8 @@ class Engine {
   uint64_t next_req_id() { return req_ids_.fetch_add(1) + 1; }
   const EngineConfig& cfg() const { return cfg_; }
   std::atomic<int64_t> served_cma{0}, served_socket{0}, failovers{0};
+  // Test mode: answer every attach request as if the OS refused it (exercises the failover).
+  std::atomic<bool> refuse_cma{false};
 
  private:
   void accept_loop();

@@ -178,6 +178,9 @@ PYBIND11_MODULE(_engine, m) {
           py::arg("key"), py::arg("uid"), "Finished inbound transfer (initiator key, uid) or None.")
       .def("route_of", &Engine::route_of, py::arg("peer_key"), py::arg("local_id"), py::arg("remote_cpu"),
            "'tcp+cma' or 'tcp': how bytes to this peer move now; '' if the peer is unknown.")
+      .def(
+          "_test_refuse_cma", [](Engine& e, bool on) { e.refuse_cma = on; }, py::arg("on"),
+          "Test mode: as a target, refuse cross-memory attach so initiators fail over to the socket.")
       .def("counters", &Engine::counters, "Requests served, failovers, table sizes.")
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>(),
            "Close every connection and stop the threads; pending transfers fail.");
