@@ -1,0 +1,825 @@
+"""Transfer bandwidth and latency between two engines (nixlbench-style), against NIXL or the raw peer copy.
+
+Two processes on one host: an initiator (this process) and a target (spawned). For every op
+(WRITE: initiator -> target, READ: target -> initiator), block size and batch size, the initiator
+posts one transfer of ``batch`` blocks of ``block`` bytes and waits for its completion, ``iters``
+times in a row (stop-and-wait, as nixlbench does). Per iteration it records the *post time* (the
+call that starts the transfer) and the *latency* (post until completion seen). Figures:
+
+* GB/s = block x batch x iters / (sum of the iterations' latencies) per repetition (1 GB = 1e9 B);
+  the table shows the median over repetitions and the spread min-max;
+* avg latency and p99 latency over every timed iteration of every repetition; avg post time.
+
+``--device cpu``: mori.io's TCP backend (the native engine: sockets, or cross-memory attach between
+engines of one host) against NIXL (UCX backend, DRAM registered the same way) in the same two
+processes, repetitions interleaved (mori, NIXL, NIXL, mori, ...) so that both see the same machine
+load; ratio = mori GB/s / NIXL GB/s. The UCX transports NIXL used are read from UCX's own log.
+``--device cuda``: the XGMI backend (NVLink / xGMI, GPU IPC) between GPU 0 (initiator) and GPU 1
+(target) against the raw copy-engine peer copy ``dst.copy_(src)`` from ``cuda:0`` to ``cuda:1``
+(READ: the other way) in the initiator, timed the same way (post, then wait for the GPUs); plus the
+latency of a batch of 128 strided 16 KiB blocks. Every path is checked byte-exact first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import multiprocessing as mp
+import os
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from mori.core import bench
+from mori.core.env import parse_size
+
+KiB, MiB = 1 << 10, 1 << 20
+DEFAULT_BLOCKS = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB]
+DEFAULT_BATCHES = [1, 32, 128]
+#: bytes moved per repetition when --iters is not given (iterations = this / bytes per transfer)
+BYTES_PER_REP = 128 * MiB
+MIN_ITERS, MAX_ITERS = 5, 1000
+#: the GPU batch-latency figure: this many strided blocks of this size
+GPU_BATCH, GPU_BATCH_BLOCK = 128, 16 * KiB
+#: how long the target waits for the initiator's next message
+TARGET_TIMEOUT_S = 1800.0
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        out = [parse_size(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one size")
+    return out
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated whole numbers") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected whole numbers >= 1")
+    return out
+
+
+def _ops(text: str) -> list[str]:
+    out = [x.strip().lower() for x in text.split(",") if x.strip()]
+    if not out or any(x not in ("write", "read") for x in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected write, read or write,read")
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu: TCP backend vs NIXL on DRAM; cuda: XGMI backend GPU 0 -> GPU 1 vs dst.copy_(src)",
+    )
+    p.add_argument("--ops", type=_ops, default=["write", "read"], help="write, read or write,read (default)")
+    p.add_argument(
+        "--blocks",
+        type=_sizes,
+        default=None,
+        help="comma-separated block sizes, e.g. 4K,1M,64M (default 4 KiB to 64 MiB by 4x)",
+    )
+    p.add_argument(
+        "--batches",
+        type=_ints,
+        default=None,
+        help="comma-separated batch sizes: blocks per transfer (default 1,32,128; cuda: 1)",
+    )
+    p.add_argument(
+        "--max-bytes",
+        type=parse_size,
+        default=256 * MiB,
+        help="largest block x batch measured (the buffers have this size on both sides; default 256M)",
+    )
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=0,
+        help=f"timed transfers per repetition (default: {BYTES_PER_REP >> 20} MiB worth, {MIN_ITERS} to {MAX_ITERS})",
+    )
+    p.add_argument("--reps", type=int, default=5, help="repetitions per point (median and spread over them)")
+    p.add_argument(
+        "--mode",
+        choices=["session", "engine"],
+        default="session",
+        help="post through an IOEngineSession (default; NIXL's counterpart is a prepared transfer) "
+        "or through IOEngine.write/batch_write",
+    )
+    p.add_argument(
+        "--tcp-cma",
+        choices=["on", "off"],
+        default="on",
+        help="cpu: let the TCP backend use cross-memory attach between the two processes (default on)",
+    )
+    p.add_argument(
+        "--nixl",
+        choices=["on", "off"],
+        default="on",
+        help="cpu: measure NIXL as the baseline (default on; reported as missing if not installed)",
+    )
+    p.add_argument(
+        "--ucx-tls",
+        default=None,
+        help="cpu: force UCX_TLS for NIXL (e.g. tcp); default: UCX's own choice (UCX_TLS as in the environment)",
+    )
+    p.add_argument(
+        "--json", default=None, help="where to write the JSON record (default bench-results/io-DEVICE.json)"
+    )
+    p.add_argument("--plot", default=None, help="where to draw the plot (default: the JSON path with .png)")
+
+
+# -- helpers ---------------------------------------------------------------------------------------------
+
+
+def iterations(nbytes: int, iters: int) -> int:
+    """Timed transfers per repetition: ``iters`` if given, else ``BYTES_PER_REP`` worth, clamped."""
+    if iters > 0:
+        return iters
+    return max(MIN_ITERS, min(MAX_ITERS, BYTES_PER_REP // max(1, nbytes)))
+
+
+def points(
+    ops: Sequence[str], blocks: Sequence[int], batches: Sequence[int], max_bytes: int
+) -> list[tuple[str, int, int]]:
+    """(op, block, batch) to measure: every combination whose block x batch fits ``max_bytes``."""
+    return [
+        (op, block, batch)
+        for op in ops
+        for block in sorted(set(blocks))
+        for batch in sorted(set(batches))
+        if block * batch <= max_bytes
+    ]
+
+
+def summarize(nbytes: int, reps: Sequence[tuple[Sequence[float], Sequence[float]]]) -> dict[str, Any]:
+    """Figures of one point from its repetitions, each ``(latencies_s, post_times_s)`` of one rep."""
+    gbps = [nbytes * len(lat) / sum(lat) / 1e9 for lat, _ in reps if lat and sum(lat) > 0]
+    lats = sorted(x for lat, _ in reps for x in lat)
+    posts = [x for _, post in reps for x in post]
+    if not gbps or not lats:
+        raise ValueError("no timed iterations")
+    p99 = lats[min(len(lats) - 1, round(0.99 * (len(lats) - 1)))]
+    return {
+        "gbps": statistics.median(gbps),
+        "gbps_min": min(gbps),
+        "gbps_max": max(gbps),
+        "gbps_reps": gbps,
+        "avg_lat_us": statistics.fmean(lats) * 1e6,
+        "median_lat_us": statistics.median(lats) * 1e6,
+        "p99_lat_us": p99 * 1e6,
+        "avg_post_us": statistics.fmean(posts) * 1e6,
+        "iterations": len(lats),
+    }
+
+
+def time_transfers(
+    post: Callable[[], Any], wait: Callable[[Any], None], iters: int
+) -> tuple[list[float], list[float]]:
+    """``iters`` stop-and-wait transfers: per iteration (latency, post time) in seconds."""
+    lat, posts = [], []
+    clock = time.perf_counter
+    for _ in range(iters):
+        t0 = clock()
+        handle = post()
+        t1 = clock()
+        wait(handle)
+        t2 = clock()
+        posts.append(t1 - t0)
+        lat.append(t2 - t0)
+    return lat, posts
+
+
+def session_post(
+    sess: Any, uid: Callable[[], int], op: str, offsets: Sequence[int], sizes: Sequence[int]
+) -> Callable[[], Any]:
+    """A call that posts one transfer of the blocks (same offsets on both sides) through ``sess``."""
+    if len(sizes) == 1:
+        one = sess.write if op == "write" else sess.read
+        off, size = offsets[0], sizes[0]
+        return lambda: one(off, off, size, uid())
+    many = sess.batch_write if op == "write" else sess.batch_read
+    offs, szs = list(offsets), list(sizes)
+    return lambda: many(offs, offs, szs, uid())
+
+
+def _digest(data: Any) -> str:
+    return hashlib.blake2b(bytes(data), digest_size=16).hexdigest()
+
+
+def ucx_transports(log_dir: str) -> list[str]:
+    """The UCX endpoint configurations (lanes and transports) written to UCX's log files."""
+    seen: list[str] = []
+    for path in sorted(glob.glob(os.path.join(log_dir, "ucx.*.log"))):
+        for line in Path(path).read_text(errors="replace").splitlines():
+            m = re.search(r"(intra-node|self|inter-node) cfg#\d+\s+(.*)$", line)
+            if m and m.group(1) != "self":
+                cfg = re.sub(r"\s+", " ", m.group(2).strip())
+                if cfg not in seen:
+                    seen.append(cfg)
+    return seen
+
+
+def _fmt(x: float, digits: int = 2) -> str:
+    return f"{x:.{digits}f}"
+
+
+# -- CPU: the two processes ------------------------------------------------------------------------------
+
+
+def _make_engine(key: str, cma: bool) -> Any:
+    from mori.io import BackendType, IOEngine, IOEngineConfig, TcpBackendConfig
+
+    engine = IOEngine(key, IOEngineConfig("127.0.0.1", 0))
+    engine.create_backend(BackendType.TCP, TcpBackendConfig(enable_cma=cma))
+    return engine
+
+
+def _make_nixl(name: str, buf: Any) -> tuple[Any, str]:
+    """A NIXL agent (UCX backend) with ``buf`` registered, or (None, why not)."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except Exception as e:  # not installed, or installed without a usable backend
+        return None, f"nixl is not importable ({type(e).__name__}: {e}); pip install nixl"
+    try:
+        agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        if "UCX" not in agent.backends:
+            return None, "nixl has no UCX backend plugin here"
+        agent.register_memory(agent.get_reg_descs([(buf.data_ptr(), buf.numel(), 0, "")], "DRAM"))
+        return agent, ""
+    except Exception as e:
+        return None, f"nixl agent creation failed: {type(e).__name__}: {e}"
+
+
+def _target(conn: Any, nbytes: int, cma: bool, use_nixl: bool, env: dict[str, str]) -> None:
+    """The target process: owns registered memory, answers digests, exits on "stop"."""
+    os.environ.update(env)
+    import torch
+
+    from mori.io import EngineDesc
+
+    buf = torch.arange(nbytes, dtype=torch.int64).remainder_(251).to(torch.uint8)
+    engine = _make_engine("bench-target", cma)
+    desc = engine.register_torch_tensor(buf)
+    agent, why = _make_nixl("bench-target", buf) if use_nixl else (None, "disabled (--nixl off)")
+    conn.send(
+        {
+            "engine": engine.get_engine_desc().pack(),
+            "mem": desc.pack(),
+            "addr": buf.data_ptr(),
+            "nixl_meta": agent.get_agent_metadata() if agent is not None else None,
+            "nixl_error": why,
+        }
+    )
+    try:
+        while conn.poll(TARGET_TIMEOUT_S):
+            msg = conn.recv()
+            if msg[0] == "peer":
+                engine.register_remote_engine(EngineDesc.unpack(msg[1]))
+                conn.send("ok")
+            elif msg[0] == "digest":
+                _, off, n = msg
+                conn.send(_digest(buf[off : off + n].numpy()))
+            elif msg[0] == "stop":
+                break
+    finally:
+        engine.shutdown()
+        conn.send("bye")
+
+
+class _CpuInitiator:
+    """The initiator's side: a mori engine and a NIXL agent over the same registered buffer."""
+
+    def __init__(self, args: argparse.Namespace, conn: Any, hello: dict[str, Any], nbytes: int) -> None:
+        import torch
+
+        from mori.io import EngineDesc, MemoryDesc
+
+        self.conn = conn
+        self.args = args
+        gen = torch.Generator().manual_seed(7)
+        self.buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        self.engine = _make_engine("bench-initiator", args.tcp_cma == "on")
+        self.local = self.engine.register_torch_tensor(self.buf)
+        self.remote = MemoryDesc.unpack(hello["mem"])
+        self.engine.register_remote_engine(EngineDesc.unpack(hello["engine"]))
+        conn.send(("peer", self.engine.get_engine_desc().pack()))
+        conn.recv()
+        self.session = self.engine.create_session(self.local, self.remote)
+        if args.mode == "session" and self.session is None:
+            raise SystemExit("mori bench io: create_session returned None for the TCP path")
+        self.remote_addr = hello["addr"]
+        self.nixl_error = hello["nixl_error"]
+        self.agent = None
+        self.peer_name = ""
+        if hello["nixl_meta"] is not None:
+            self.agent, why = _make_nixl("bench-initiator", self.buf)
+            if self.agent is None:
+                self.nixl_error = why
+            else:
+                self.peer_name = self.agent.add_remote_agent(hello["nixl_meta"])
+
+    def route(self) -> str:
+        return str(self.engine._route_name(self.local, self.remote))
+
+    # mori
+    def mori_post(self, op: str, block: int, batch: int) -> Callable[[], Any]:
+        offs = [i * block for i in range(batch)]
+        sizes = [block] * batch
+        uid = self.engine.allocate_transfer_uid
+        if self.args.mode == "session":
+            return session_post(self.session, uid, op, offs, sizes)
+        e, loc, rem = self.engine, self.local, self.remote
+        if batch == 1:
+            one_e = e.write if op == "write" else e.read
+            return lambda: one_e(loc, 0, rem, 0, block, uid())
+        many_e = e.batch_write if op == "write" else e.batch_read
+        return lambda: many_e([loc], [offs], [rem], [offs], [sizes], [uid()])[0]
+
+    @staticmethod
+    def mori_wait(st: Any) -> None:
+        st.Wait()
+        if not st.Succeeded():
+            raise RuntimeError(f"mori transfer failed: {st.Code()} {st.Message()}")
+
+    # NIXL
+    def nixl_handle(self, op: str, block: int, batch: int) -> Any:
+        a = self.agent
+        assert a is not None
+        local = a.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", [(self.buf.data_ptr() + i * block, block, 0) for i in range(batch)], "DRAM"
+        )
+        remote = a.prep_xfer_dlist(
+            self.peer_name, [(self.remote_addr + i * block, block, 0) for i in range(batch)], "DRAM"
+        )
+        idx = list(range(batch))
+        return a.make_prepped_xfer(op.upper(), local, idx, remote, idx), (local, remote)
+
+    def nixl_post(self, handle: Any) -> Callable[[], Any]:
+        a = self.agent
+        assert a is not None
+        return lambda: (a.transfer(handle), handle)
+
+    def nixl_wait(self, posted: tuple[str, Any]) -> None:
+        state, handle = posted
+        a = self.agent
+        assert a is not None
+        while state == "PROC":
+            state = a.check_xfer_state(handle)
+        if state != "DONE":
+            raise RuntimeError(f"NIXL transfer failed: state {state}")
+
+    # checks
+    def remote_digest(self, off: int, n: int) -> str:
+        self.conn.send(("digest", off, n))
+        return str(self.conn.recv())
+
+    def verify(self, n: int) -> dict[str, bool]:
+        """Write our bytes [0, n) to the target and read them back into [n, 2n), for each framework."""
+        out: dict[str, bool] = {}
+        frameworks = ["mori"] + (["nixl"] if self.agent is not None else [])
+        for fw in frameworks:
+            self.buf[n : 2 * n].zero_()
+            if fw == "mori":
+                st = self.engine.write(self.local, 0, self.remote, 0, n, self.engine.allocate_transfer_uid())
+                self.mori_wait(st)
+                wrote = self.remote_digest(0, n) == _digest(self.buf[:n].numpy())
+                st = self.engine.read(self.local, n, self.remote, 0, n, self.engine.allocate_transfer_uid())
+                self.mori_wait(st)
+            else:
+                a = self.agent
+                assert a is not None
+                for op, loff in (("WRITE", 0), ("READ", n)):
+                    h = a.initialize_xfer(
+                        op,
+                        a.get_xfer_descs([(self.buf.data_ptr() + loff, n, 0)], "DRAM"),
+                        a.get_xfer_descs([(self.remote_addr, n, 0)], "DRAM"),
+                        self.peer_name,
+                    )
+                    self.nixl_wait((a.transfer(h), h))
+                    a.release_xfer_handle(h)
+                    if op == "WRITE":
+                        wrote = self.remote_digest(0, n) == _digest(self.buf[:n].numpy())
+            out[fw] = bool(wrote and bool((self.buf[n : 2 * n] == self.buf[:n]).all()))
+        return out
+
+
+def _measure_cpu(args: argparse.Namespace, ini: _CpuInitiator) -> list[dict[str, Any]]:
+    rows = []
+    for op, block, batch in points(args.ops, args.blocks, args.batches, args.max_bytes):
+        nbytes = block * batch
+        iters = iterations(nbytes, args.iters)
+        warm = max(2, iters // 10)
+        mori_post = ini.mori_post(op, block, batch)
+        runners: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {
+            "mori": (mori_post, ini.mori_wait)
+        }
+        nixl_keep = None
+        if ini.agent is not None:
+            handle, nixl_keep = ini.nixl_handle(op, block, batch)
+            runners["nixl"] = (ini.nixl_post(handle), ini.nixl_wait)
+        reps: dict[str, list[tuple[list[float], list[float]]]] = {name: [] for name in runners}
+        for post, wait in runners.values():
+            time_transfers(post, wait, warm)
+        names = list(runners)
+        for r in range(args.reps):
+            for name in names if r % 2 == 0 else reversed(names):
+                post, wait = runners[name]
+                reps[name].append(time_transfers(post, wait, iters))
+        row: dict[str, Any] = {"op": op, "block": block, "batch": batch, "bytes": nbytes, "iters": iters}
+        for name in names:
+            row[name] = summarize(nbytes, reps[name])
+        if "nixl" in row:
+            row["ratio"] = row["mori"]["gbps"] / row["nixl"]["gbps"]
+            handle.release()
+            for dl in nixl_keep or ():
+                dl.release()
+        rows.append(row)
+        _print_row(row)
+    return rows
+
+
+_COLUMNS = ["op", "block", "batch", "mori GB/s", "min-max", "avg us", "p99 us", "post us"]
+_WIDTHS = [5, 7, 5, 9, 13, 9, 9, 8, 11, 13, 9, 9, 8, 6]
+
+
+def _print_header(baseline: str) -> None:
+    print(
+        "  ".join(
+            x.rjust(w)
+            for x, w in zip(
+                [*_COLUMNS[:8], f"{baseline} GB/s", *_COLUMNS[4:8], "ratio"],
+                _WIDTHS,
+                strict=True,
+            )
+        ),
+        flush=True,
+    )
+
+
+def _cells(fig: dict[str, Any] | None) -> list[str]:
+    if fig is None:
+        return ["-", "-", "-", "-", "-"]
+    return [
+        _fmt(fig["gbps"]),
+        f"{_fmt(fig['gbps_min'])}-{_fmt(fig['gbps_max'])}",
+        _fmt(fig["avg_lat_us"], 1),
+        _fmt(fig["p99_lat_us"], 1),
+        _fmt(fig["avg_post_us"], 1),
+    ]
+
+
+def _row_cells(row: dict[str, Any], baseline_key: str) -> list[str]:
+    base = row.get(baseline_key)
+    ratio = f"{row['ratio']:.2f}" if "ratio" in row else "-"
+    return [
+        row["op"],
+        bench.human_bytes(row["block"]),
+        str(row["batch"]),
+        *_cells(row["mori"]),
+        *_cells(base),
+        ratio,
+    ]
+
+
+def _print_row(row: dict[str, Any], baseline_key: str = "nixl") -> None:
+    c = _row_cells(row, baseline_key)
+    print("  ".join(x.rjust(w) for x, w in zip(c, _WIDTHS, strict=True)), flush=True)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], baseline: str, baseline_key: str) -> str:
+    """The result rows as a Markdown table (for docs/benchmarks/io.md)."""
+    head = [
+        "op",
+        "block",
+        "batch",
+        "mori GB/s",
+        "min-max",
+        "avg lat us",
+        "p99 lat us",
+        "post us",
+        f"{baseline} GB/s",
+        "min-max",
+        "avg lat us",
+        "p99 lat us",
+        "post us",
+        f"mori/{baseline}",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        lines.append("| " + " | ".join(_row_cells(row, baseline_key)) + " |")
+    return "\n".join(lines)
+
+
+def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    nbytes = args.max_bytes
+    env: dict[str, str] = {}
+    log_dir = tempfile.mkdtemp(prefix="mori-bench-io-ucx-")
+    if args.ucx_tls:
+        env["UCX_TLS"] = args.ucx_tls
+    if "UCX_LOG_LEVEL" not in os.environ:  # UCX writes the transports it picks at level info
+        env["UCX_LOG_LEVEL"] = "info"
+        env["UCX_LOG_FILE"] = os.path.join(log_dir, "ucx.%p.log")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_target, args=(child, nbytes, args.tcp_cma == "on", args.nixl == "on", env))
+    proc.start()
+    try:
+        if not parent.poll(120):
+            raise SystemExit("mori bench io: the target process did not start within 120 s")
+        hello = parent.recv()
+        ini = _CpuInitiator(args, parent, hello, nbytes)
+        check = min(4 * MiB, nbytes // 2)
+        verified = ini.verify(check)
+        print(
+            f"mori bench io --device cpu: 2 processes on loopback, mode {args.mode}, route {ini.route()!r}, "
+            f"{args.reps} reps, buffers {bench.human_bytes(nbytes)}"
+        )
+        if ini.agent is None:
+            print(f"NIXL baseline: unavailable ({ini.nixl_error})")
+        print(
+            "GB/s = block x batch x iters / sum of latencies, median of reps (1 GB = 1e9 B); ratio = mori/NIXL"
+        )
+        print(f"verified byte-exact ({bench.human_bytes(check)} write + read back): {verified}")
+        _print_header("NIXL")
+        rows = _measure_cpu(args, ini)
+        parent.send(("stop",))
+        parent.recv()
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    transports = ucx_transports(log_dir)
+    info = {
+        "route": ini.route(),
+        "mode": args.mode,
+        "tcp_cma": args.tcp_cma,
+        "verified": verified,
+        "nixl": "measured" if ini.agent is not None else f"unavailable: {ini.nixl_error}",
+        "nixl_version": _version("nixl"),
+        "ucx_tls": args.ucx_tls or os.environ.get("UCX_TLS") or "unset (UCX default)",
+        "ucx_transports": transports,
+    }
+    if ini.agent is not None:
+        print(f"NIXL UCX_TLS={info['ucx_tls']}; UCX endpoint lanes: {'; '.join(transports) or 'not logged'}")
+    return info, rows
+
+
+def _version(dist: str) -> str:
+    try:
+        import importlib.metadata as md
+
+        return md.version(dist)
+    except Exception:
+        return "not installed"
+
+
+# -- GPU -------------------------------------------------------------------------------------------------
+
+
+def _gpu_target(conn: Any, nbytes: int) -> None:
+    import torch
+
+    from mori.io import BackendType, EngineDesc, IOEngine, IOEngineConfig, XgmiBackendConfig
+
+    torch.cuda.set_device(1)
+    buf = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:1")
+    engine = IOEngine("bench-gpu-target", IOEngineConfig("127.0.0.1", 0))
+    engine.create_backend(BackendType.XGMI, XgmiBackendConfig())
+    desc = engine.register_torch_tensor(buf)
+    torch.cuda.synchronize()
+    conn.send({"engine": engine.get_engine_desc().pack(), "mem": desc.pack()})
+    try:
+        while conn.poll(TARGET_TIMEOUT_S):
+            msg = conn.recv()
+            if msg[0] == "peer":
+                engine.register_remote_engine(EngineDesc.unpack(msg[1]))
+                conn.send("ok")
+            elif msg[0] == "digest":
+                _, off, n = msg
+                torch.cuda.synchronize()
+                conn.send(_digest(buf[off : off + n].cpu().numpy()))
+            elif msg[0] == "stop":
+                break
+    finally:
+        engine.shutdown()
+        conn.send("bye")
+
+
+def run_gpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    import torch
+
+    from mori.io import BackendType, EngineDesc, IOEngine, IOEngineConfig, MemoryDesc, XgmiBackendConfig
+
+    if torch.cuda.device_count() < 2:
+        raise SystemExit(
+            f"mori bench io --device cuda: needs 2 GPUs, {torch.cuda.device_count()} visible "
+            "(torch.cuda.device_count())"
+        )
+    nbytes = args.max_bytes
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_gpu_target, args=(child, nbytes))
+    proc.start()
+    try:
+        if not parent.poll(300):
+            raise SystemExit("mori bench io: the GPU target process did not start within 300 s")
+        hello = parent.recv()
+        torch.cuda.set_device(0)
+        dev0, dev1 = torch.device("cuda", 0), torch.device("cuda", 1)
+        buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev0)
+        engine = IOEngine("bench-gpu-initiator", IOEngineConfig("127.0.0.1", 0))
+        engine.create_backend(BackendType.XGMI, XgmiBackendConfig())
+        local = engine.register_torch_tensor(buf)
+        remote = MemoryDesc.unpack(hello["mem"])
+        engine.register_remote_engine(EngineDesc.unpack(hello["engine"]))
+        parent.send(("peer", engine.get_engine_desc().pack()))
+        parent.recv()
+        route = str(engine._route_name(local, remote))
+        sess = engine.create_session(local, remote)
+        # byte-exact check: write [0, n), read it back into [n, 2n)
+        n = min(4 * MiB, nbytes // 2)
+        st = engine.write(local, 0, remote, 0, n, engine.allocate_transfer_uid())
+        _CpuInitiator.mori_wait(st)
+        parent.send(("digest", 0, n))
+        wrote = parent.recv() == _digest(buf[:n].cpu().numpy())
+        st = engine.read(local, n, remote, 0, n, engine.allocate_transfer_uid())
+        _CpuInitiator.mori_wait(st)
+        torch.cuda.synchronize()
+        verified = bool(wrote and bool((buf[n : 2 * n] == buf[:n]).all().item()))
+        # the baseline's own buffers: cuda:0 and cuda:1 in this process
+        base0 = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev0)
+        base1 = torch.empty(nbytes, dtype=torch.uint8, device=dev1)
+
+        def sync_both(_: Any = None) -> None:
+            torch.cuda.synchronize(dev0)
+            torch.cuda.synchronize(dev1)
+
+        print(
+            f"mori bench io --device cuda: {torch.cuda.get_device_name(dev0)} x2, route {route!r}, "
+            f"mode {args.mode}, {args.reps} reps"
+        )
+        print(
+            "baseline (raw copy-engine peer copy) = dst.copy_(src) cuda:0 -> cuda:1 (read: cuda:1 -> cuda:0)"
+        )
+        _print_header("copy_")
+        rows = []
+        batches = args.batches or [1]
+        for op, block, batch in points(args.ops, args.blocks, batches, nbytes):
+            iters = iterations(block * batch, args.iters)
+            offs = [i * block for i in range(batch)]
+            mori_post = session_post(sess, engine.allocate_transfer_uid, op, offs, [block] * batch)
+            src, dst = (base0, base1) if op == "write" else (base1, base0)
+
+            def copy_post(src: Any = src, dst: Any = dst, block: int = block, batch: int = batch) -> None:
+                for i in range(batch):
+                    dst[i * block : (i + 1) * block].copy_(src[i * block : (i + 1) * block])
+
+            runners = {"mori": (mori_post, _CpuInitiator.mori_wait), "copy": (copy_post, sync_both)}
+            reps: dict[str, list[tuple[list[float], list[float]]]] = {k: [] for k in runners}
+            for post, wait in runners.values():
+                time_transfers(post, wait, max(2, iters // 10))
+            for r in range(args.reps):
+                for name in ("mori", "copy") if r % 2 == 0 else ("copy", "mori"):
+                    post, wait = runners[name]
+                    reps[name].append(time_transfers(post, wait, iters))
+            row: dict[str, Any] = {
+                "op": op,
+                "block": block,
+                "batch": batch,
+                "bytes": block * batch,
+                "iters": iters,
+            }
+            row["mori"] = summarize(block * batch, reps["mori"])
+            row["copy"] = summarize(block * batch, reps["copy"])
+            row["ratio"] = row["mori"]["gbps"] / row["copy"]["gbps"]
+            rows.append(row)
+            _print_row(row, "copy")
+        # the batch-latency figure: 128 blocks of 16 KiB, strided (every other block), so nothing merges
+        lat_rows = []
+        stride = 2 * GPU_BATCH_BLOCK
+        if GPU_BATCH * stride <= nbytes:
+            offs = [i * stride for i in range(GPU_BATCH)]
+            sizes = [GPU_BATCH_BLOCK] * GPU_BATCH
+            for op in args.ops:
+                src, dst = (base0, base1) if op == "write" else (base1, base0)
+
+                def batch_copy(src: Any = src, dst: Any = dst) -> None:
+                    for o in offs:
+                        dst[o : o + GPU_BATCH_BLOCK].copy_(src[o : o + GPU_BATCH_BLOCK])
+
+                mori_reps, copy_reps = [], []
+                post = session_post(sess, engine.allocate_transfer_uid, op, offs, sizes)
+                time_transfers(post, _CpuInitiator.mori_wait, 20)
+                for _ in range(args.reps):
+                    mori_reps.append(time_transfers(post, _CpuInitiator.mori_wait, 200))
+                    copy_reps.append(time_transfers(batch_copy, sync_both, 50))
+                m = summarize(GPU_BATCH * GPU_BATCH_BLOCK, mori_reps)
+                c = summarize(GPU_BATCH * GPU_BATCH_BLOCK, copy_reps)
+                lat_rows.append(
+                    {"op": op, "latency": f"batch_{GPU_BATCH}x16KiB_strided", "mori": m, "copy": c}
+                )
+                print(
+                    f"{op} batch {GPU_BATCH} x 16 KiB (strided): mori median {m['median_lat_us']:.1f} us "
+                    f"(avg {m['avg_lat_us']:.1f}, p99 {m['p99_lat_us']:.1f}, post {m['avg_post_us']:.1f}); "
+                    f"{GPU_BATCH} x copy_ median {c['median_lat_us']:.1f} us"
+                )
+        parent.send(("stop",))
+        parent.recv()
+        engine.shutdown()
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    info = {"route": route, "mode": args.mode, "verified": verified, "gpu": torch.cuda.get_device_name(0)}
+    print(f"verified byte-exact ({bench.human_bytes(n)} write + read back): {verified}")
+    return info, rows + lat_rows
+
+
+# -- entry -----------------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.reps < 1 or args.iters < 0:
+        raise SystemExit("mori bench io: --reps must be >= 1 and --iters >= 0")
+    args.blocks = args.blocks or DEFAULT_BLOCKS
+    args.json = args.json or f"bench-results/io-{args.device}.json"
+    if args.device == "cpu":
+        args.batches = args.batches or DEFAULT_BATCHES
+        info, rows = run_cpu(args)
+        baseline, key = "NIXL", "nixl"
+    else:
+        info, rows = run_gpu(args)
+        baseline, key = "copy_", "copy"
+    config = {
+        "device": args.device,
+        "ops": args.ops,
+        "blocks": sorted(set(args.blocks)),
+        "batches": sorted(set(args.batches or [1])),
+        "max_bytes": args.max_bytes,
+        "reps": args.reps,
+        "iters": args.iters or f"auto ({BYTES_PER_REP} bytes per rep, {MIN_ITERS}-{MAX_ITERS})",
+        **info,
+    }
+    path = bench.write_json(args.json, "io", config, rows)
+    print(f"wrote {path}")
+    table_rows = [r for r in rows if "block" in r]
+    plot_path = Path(args.plot) if args.plot else path.with_suffix(".png")
+    plot(plot_path, table_rows, baseline, key)
+    return (
+        0
+        if all(info["verified"].values() if isinstance(info["verified"], dict) else [info["verified"]])
+        else 1
+    )
+
+
+def plot(path: Path, rows: Sequence[dict[str, Any]], baseline: str, key: str) -> bool:
+    """GB/s against block size, one line per (framework, op, batch); False (with a message) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return False
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for op in sorted({r["op"] for r in rows}):
+        for batch in sorted({r["batch"] for r in rows}):
+            sel = [r for r in rows if r["op"] == op and r["batch"] == batch]
+            if not sel:
+                continue
+            x = [r["block"] for r in sel]
+            ax.plot(x, [r["mori"]["gbps"] for r in sel], marker="o", label=f"mori {op} batch {batch}")
+            if all(key in r for r in sel):
+                ax.plot(
+                    x, [r[key]["gbps"] for r in sel], "--", marker="x", label=f"{baseline} {op} batch {batch}"
+                )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("block bytes")
+    ax.set_ylabel("GB/s (median of reps)")
+    ax.set_title(f"mori bench io: mori.io vs {baseline}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    print(f"wrote {path}")
+    return True
