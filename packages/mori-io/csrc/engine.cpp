@@ -718,10 +718,16 @@ void Engine::accept_loop() {
 }
 
 void Engine::serve(int fd, std::shared_ptr<std::atomic<bool>> finished) {
+  // However serving ends, the peer sees the connection close at once (the fd itself is closed
+  // when the accept thread reaps this thread).
   struct Done {
+    int fd;
     std::shared_ptr<std::atomic<bool>> f;
-    ~Done() { f->store(true); }
-  } done{finished};
+    ~Done() {
+      ::shutdown(fd, SHUT_RDWR);
+      f->store(true);
+    }
+  } done{fd, finished};
   Header h;
   std::vector<uint8_t> body;
   // Handshake: the first message must be a HELLO presenting the token, if this engine has one.
@@ -917,6 +923,7 @@ bool Engine::peer_alive(const std::string& key) {
     p = it->second;
   }
   std::lock_guard<std::mutex> g(p->mu);
+  if (!p->reachable) return false;
   for (auto& c : p->conns)
     if (c->broken()) return false;
   return true;
@@ -1006,6 +1013,7 @@ std::string Engine::peer_conns(const PeerPtr& p, std::vector<std::shared_ptr<Con
   if (!healthy) {
     close_conns(p->conns);
     std::string err = connect_peer(p, &p->conns);
+    p->reachable = err.empty();
     if (!err.empty()) {
       close_conns(p->conns);
       return err;

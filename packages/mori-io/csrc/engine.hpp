@@ -127,6 +127,7 @@ struct Peer {
   std::mutex mu;
   std::vector<std::shared_ptr<Conn>> conns;
   std::atomic<bool> cma_ok{true};
+  std::atomic<bool> reachable{true};  // false after a failed connect, until one succeeds
   std::atomic<uint64_t> rr{0};
 };
 using PeerPtr = std::shared_ptr<Peer>;

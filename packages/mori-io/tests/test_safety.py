@@ -1,0 +1,401 @@
+"""Every error path: bounds checked on both sides, deregistration, dead and silent peers, auth,
+malformed traffic, backend failover."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import sys
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+from mori.core.errors import MoriBackendError
+from mori.io import BackendType, IOEngine, IOEngineConfig, MemoryDesc, StatusCode, TcpBackendConfig, TransferStatus
+
+HEADER = struct.Struct("<IHHIiQQQIIQII")  # csrc/protocol.hpp Header, 64 bytes
+MAGIC = 0x4F49524D
+assert HEADER.size == 64
+
+
+def _done(st: TransferStatus) -> TransferStatus:
+    assert st.WaitFor(60_000), "transfer did not finish"
+    return st
+
+
+def test_out_of_range_on_the_initiator(pair) -> None:
+    a, n = pair.a, pair.src.numel()
+    for st in (
+        a.write(pair.src_desc, n - 3, pair.dst_desc, 0, 4, 1),
+        a.read(pair.src_desc, 0, pair.dst_desc, n, 1, 2),
+        a.create_session(pair.src_desc, pair.dst_desc).batch_write([0, 0], [0, n - 1], [4, 4], 3),
+    ):
+        assert _done(st).Failed() and st.Code() == StatusCode.ERR_INVALID_ARGS
+        assert "outside" in st.Message()
+    assert int(pair.dst.count_nonzero()) == 0
+
+
+def test_target_checks_its_own_table_not_the_descriptor(pair) -> None:
+    """A descriptor that lies about its size (or its id) gets nothing past the target."""
+    n = pair.dst.numel()
+    forged = MemoryDesc(**{**pair.dst_desc.__dict__, "size": n * 4})
+    before = pair.dst.clone()
+    st = _done(pair.a.write(pair.src_desc, 0, forged, n - 8, 16, 1))
+    assert st.Code() == StatusCode.ERR_INVALID_ARGS and "outside memory region" in st.Message()
+    st = _done(pair.a.read(pair.src_desc, 0, forged, n, 8, 2))
+    assert st.Code() == StatusCode.ERR_INVALID_ARGS
+    unknown = MemoryDesc(**{**pair.dst_desc.__dict__, "id": 999})
+    st = _done(pair.a.write(pair.src_desc, 0, unknown, 0, 8, 3))
+    assert st.Code() == StatusCode.ERR_INVALID_ARGS and "not registered" in st.Message()
+    assert torch.equal(pair.dst, before)
+    # the failure reaches the target's inbound table too, and the connection keeps working
+    inbound = pair.b.pop_inbound_transfer_status("a", 1)
+    assert inbound is not None and inbound.Code() == StatusCode.ERR_INVALID_ARGS
+    st = _done(pair.a.write(pair.src_desc, 0, pair.dst_desc, 0, 64, 4))
+    assert st.Succeeded(), st.Message()
+
+
+def test_deregistered_remote_memory_is_unreachable(pair) -> None:
+    pair.b.deregister_memory(pair.dst_desc)
+    for st in (
+        pair.a.write(pair.src_desc, 0, pair.dst_desc, 0, 8, 1),
+        pair.a.read(pair.src_desc, 0, pair.dst_desc, 0, 8, 2),
+    ):
+        assert _done(st).Code() == StatusCode.ERR_INVALID_ARGS and "not registered" in st.Message()
+    assert int(pair.dst.count_nonzero()) == 0
+
+
+def test_local_descriptor_must_be_registered_here(pair) -> None:
+    st = _done(pair.a.write(pair.dst_desc, 0, pair.dst_desc, 0, 8, 1))  # b's region used as a's source
+    assert st.Code() == StatusCode.ERR_INVALID_ARGS and "not registered on engine 'a'" in st.Message()
+    pair.a.deregister_memory(pair.src_desc)
+    st = _done(pair.a.write(pair.src_desc, 0, pair.dst_desc, 0, 8, 2))
+    assert st.Code() == StatusCode.ERR_INVALID_ARGS
+    assert pair.a.create_session(pair.src_desc, pair.dst_desc) is None
+
+
+def test_unknown_remote_engine_is_not_found(pair) -> None:
+    stranger = MemoryDesc(**{**pair.dst_desc.__dict__, "engine_key": "nobody"})
+    st = _done(pair.a.write(pair.src_desc, 0, stranger, 0, 8, 1))
+    assert st.Code() == StatusCode.ERR_NOT_FOUND and "register_remote_engine" in st.Message()
+    assert pair.a.create_session(pair.src_desc, stranger) is None
+    pair.a.deregister_remote_engine(pair.b.get_engine_desc())
+    st = _done(pair.a.read(pair.src_desc, 0, pair.dst_desc, 0, 8, 2))
+    assert st.Code() == StatusCode.ERR_NOT_FOUND
+
+
+def test_bad_arguments_raise_naming_the_argument(pair) -> None:
+    from mori.core.errors import MoriTypeError, MoriValueError
+
+    with pytest.raises(MoriValueError, match="write: local_offsets\\[0\\]"):
+        pair.a.write(pair.src_desc, -1, pair.dst_desc, 0, 8, 1)
+    with pytest.raises(MoriTypeError, match="read: sizes\\[0\\]"):
+        pair.a.read(pair.src_desc, 0, pair.dst_desc, 0, 8.0, 1)
+    with pytest.raises(MoriTypeError, match="write: remote_desc"):
+        pair.a.write(pair.src_desc, 0, pair.dst_desc.pack(), 0, 8, 1)
+    with pytest.raises(MoriValueError, match="batch_write: uids"):
+        pair.a.batch_write([pair.src_desc], [[0]], [pair.dst_desc], [[0]], [[8]], [1, 2])
+    sess = pair.a.create_session(pair.src_desc, pair.dst_desc)
+    with pytest.raises(MoriValueError, match="batch_read: sizes"):
+        sess.batch_read([0, 8], [0], [8], 1)
+    with pytest.raises(MoriTypeError, match="wait_all: statuses\\[0\\]"):
+        pair.a.wait_all([None])
+
+
+def test_no_backend_for_the_pair(make) -> None:
+    a = IOEngine("nobackend", IOEngineConfig("127.0.0.1", 0))
+    try:
+        b = make("b")
+        a.register_remote_engine(b.get_engine_desc())
+        x = torch.zeros(16, dtype=torch.uint8)
+        ma, mb = a.register_torch_tensor(x), b.register_torch_tensor(x.clone())
+        st = _done(a.write(ma, 0, mb, 0, 8, 1))
+        assert st.Code() == StatusCode.ERR_NOT_FOUND and "no backend" in st.Message()
+        gpu = MemoryDesc(**{**mb.__dict__, "loc": 2})
+        a.create_backend(BackendType.TCP)
+        st = _done(a.write(ma, 0, gpu, 0, 8, 2))
+        assert st.Code() == StatusCode.ERR_NOT_FOUND and "GPU" in st.Message()
+    finally:
+        a.shutdown()
+
+
+def test_target_rejects_a_region_that_is_not_cpu_memory(make) -> None:
+    a, b = make("a"), make("b")
+    a.register_remote_engine(b.get_engine_desc())
+    x = torch.zeros(64, dtype=torch.uint8)
+    ma = a.register_torch_tensor(x)
+    # a (fake) GPU registration on the target; the initiator is told it is CPU memory
+    fake_gpu = b.register_memory(x.data_ptr(), 64, 0, mori_loc_gpu())
+    lie = MemoryDesc(**{**fake_gpu.__dict__, "loc": 1})
+    st = _done(a.write(ma, 0, lie, 0, 8, 1))
+    assert st.Code() == StatusCode.ERR_INVALID_ARGS and "not CPU memory" in st.Message()
+
+
+def mori_loc_gpu():
+    from mori.io import MemoryLocationType
+
+    return MemoryLocationType.GPU
+
+
+def test_dead_peer_fails_transfers_with_a_message(pair) -> None:
+    assert _done(pair.a.write(pair.src_desc, 0, pair.dst_desc, 0, 8, 1)).Succeeded()
+    sess = pair.a.create_session(pair.src_desc, pair.dst_desc)
+    pair.b.shutdown()
+    st = _done(pair.a.write(pair.src_desc, 0, pair.dst_desc, 0, 8, 2))
+    assert st.Code() == StatusCode.ERR_BAD_STATE and "'b'" in st.Message()
+    assert not sess.alive()
+
+
+def _fake_target(handshake: bool) -> tuple[socket.socket, threading.Event]:
+    """A listener that accepts and then never answers requests (a hung peer); with ``handshake``
+    it first completes the HELLO exchange, so the silence comes after a request."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    stop = threading.Event()
+
+    def run() -> None:
+        conns = []
+        srv.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                continue
+            conns.append(c)
+            if handshake:
+                hdr = HEADER.unpack(c.recv(64, socket.MSG_WAITALL))
+                c.recv(hdr[9], socket.MSG_WAITALL)
+                body = b"".join(struct.pack("<I", len(s)) + s for s in (b"hung", b"", b"\0" * 16))
+                c.sendall(HEADER.pack(MAGIC, 1, 2, 0, 0, 0, 0, 0, 0, len(body), 0, 0, 0) + body)
+        for c in conns:
+            c.close()
+        srv.close()
+
+    threading.Thread(target=run, daemon=True).start()
+    return srv, stop
+
+
+@pytest.mark.parametrize("handshake", [False, True], ids=["silent-at-hello", "silent-after-request"])
+def test_silent_peer_fails_within_cp_timeout(monkeypatch: pytest.MonkeyPatch, make, handshake: bool) -> None:
+    monkeypatch.setenv("MORI_IO_CP_TIMEOUT_MS", "700")
+    a = make("a")
+    srv, stop = _fake_target(handshake)
+    try:
+        port = srv.getsockname()[1]
+        from mori.io import EngineDesc
+
+        desc = EngineDesc("hung", "elsewhere", "h", "127.0.0.1", port, 1)
+        a.register_remote_engine(desc)
+        x = torch.zeros(64, dtype=torch.uint8)
+        ma = a.register_torch_tensor(x)
+        remote = MemoryDesc("hung", 1, -1, "", 4096, 64, 1, -1, b"")
+        t0 = time.monotonic()
+        st = a.write(ma, 0, remote, 0, 8, 1)
+        assert st.WaitFor(10_000)
+        elapsed = time.monotonic() - t0
+        assert st.Code() == StatusCode.ERR_BAD_STATE
+        assert ("MORI_IO_CP_TIMEOUT_MS=700" in st.Message()) if handshake else ("HELLO" in st.Message())
+        assert elapsed < 5.0
+    finally:
+        stop.set()
+
+
+def test_deregister_waits_for_inflight_transfers_on_the_target(make) -> None:
+    cfg = TcpBackendConfig(enable_cma=False, chunk_bytes=64 << 10, num_connections_per_peer=1)
+    a, b = make("a", cfg), make("b", cfg)
+    a.register_remote_engine(b.get_engine_desc())
+    n = 32 << 20
+    x = torch.full((n,), 7, dtype=torch.uint8)
+    y = torch.zeros(n, dtype=torch.uint8)
+    mx, my = a.register_torch_tensor(x), b.register_torch_tensor(y)
+    st = a.write(mx, 0, my, 0, n, 1)
+    b.deregister_memory(my)  # returns only when no request is still writing into y
+    snapshot = y.clone()
+    st.Wait()
+    assert torch.equal(y, snapshot), "bytes landed after deregister_memory returned"
+    # either it all arrived before, or the rest was refused cleanly
+    assert st.Succeeded() or st.Code() == StatusCode.ERR_INVALID_ARGS, st.Message()
+    if st.Succeeded():
+        assert torch.equal(y, x)
+
+
+def test_deregister_waits_for_inflight_transfers_on_the_initiator(make) -> None:
+    cfg = TcpBackendConfig(enable_cma=False, chunk_bytes=64 << 10, num_connections_per_peer=1)
+    a, b = make("a", cfg), make("b", cfg)
+    a.register_remote_engine(b.get_engine_desc())
+    n = 32 << 20
+    x = torch.full((n,), 7, dtype=torch.uint8)
+    y = torch.zeros(n, dtype=torch.uint8)
+    mx, my = a.register_torch_tensor(x), b.register_torch_tensor(y)
+    st = a.read(mx, 0, my, 0, n, 1)
+    a.deregister_memory(mx)
+    assert st.WaitFor(0), "deregister_memory returned while a read into the region was running"
+    assert st.Succeeded(), st.Message()
+    assert int(x.count_nonzero()) == 0
+
+
+@pytest.mark.parametrize(
+    ("token_a", "token_b", "error"),
+    [
+        ("s3cret", "s3cret", None),
+        (None, "s3cret", "wrong or missing MORI_IO_AUTH_TOKEN"),
+        ("s3cret", None, "did not present"),
+        ("s3cret", "other", "wrong or missing MORI_IO_AUTH_TOKEN"),
+    ],
+)
+def test_auth_token(
+    monkeypatch: pytest.MonkeyPatch, make, token_a: str | None, token_b: str | None, error: str | None
+) -> None:
+    engines = {}
+    for key, token in (("a", token_a), ("b", token_b)):
+        if token is None:
+            monkeypatch.delenv("MORI_IO_AUTH_TOKEN", raising=False)
+        else:
+            monkeypatch.setenv("MORI_IO_AUTH_TOKEN", token)
+        engines[key] = make(key)
+    a, b = engines["a"], engines["b"]
+    a.register_remote_engine(b.get_engine_desc())
+    x = torch.ones(64, dtype=torch.uint8)
+    y = torch.zeros(64, dtype=torch.uint8)
+    st = _done(a.write(a.register_torch_tensor(x), 0, b.register_torch_tensor(y), 0, 64, 1))
+    if error is None:
+        assert st.Succeeded(), st.Message()
+        assert torch.equal(x, y)
+    else:
+        assert st.Code() == StatusCode.ERR_BAD_STATE and error in st.Message()
+        assert int(y.count_nonzero()) == 0
+
+
+def _closed_by_peer(s: socket.socket) -> bool:
+    s.settimeout(10)
+    try:
+        return s.recv(1 << 16) == b"" or s.recv(1 << 16) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        b"GET / HTTP/1.1\r\n\r\n" + b"x" * 64,
+        HEADER.pack(MAGIC, 1, 1, 0, 0, 0, 0, 0, 0, 1 << 30, 0, 0, 0),  # HELLO claiming a 1 GiB body
+        HEADER.pack(MAGIC, 1, 3, 0, 0, 1, 0, 1, 1, 24, 8, 1, 0) + struct.pack("<QQQ", 0, 8, 0) + b"x" * 8,  # no HELLO
+    ],
+    ids=["http", "oversized-hello", "write-without-hello"],
+)
+def test_malformed_traffic_is_dropped_and_the_engine_keeps_serving(pair, junk: bytes) -> None:
+    port = pair.b.get_engine_desc().port
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(junk)
+        assert _closed_by_peer(s)
+    assert int(pair.dst.count_nonzero()) == 0
+    assert _done(pair.a.write(pair.src_desc, 0, pair.dst_desc, 0, 4096, 1)).Succeeded()
+
+
+def test_malformed_request_after_hello_closes_only_that_connection(pair) -> None:
+    port = pair.b.get_engine_desc().port
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        body = b"".join(struct.pack("<I", len(v)) + v for v in (b"intruder", b"", b"elsewhere"))
+        s.sendall(HEADER.pack(MAGIC, 1, 1, 0, 0, 0, 0, 0, 0, len(body), 0, 0, 0) + body)
+        ack = HEADER.unpack(s.recv(64, socket.MSG_WAITALL))
+        s.recv(ack[9], socket.MSG_WAITALL)
+        assert ack[2] == 2 and ack[4] == 0
+        # a write whose segments claim more bytes than its payload carries
+        s.sendall(HEADER.pack(MAGIC, 1, 3, 0, 0, 1, 0, pair.dst_desc.id, 1, 24, 4, 1, 0) + struct.pack("<QQQ", 0, 8, 0))
+        assert _closed_by_peer(s)
+    assert int(pair.dst.count_nonzero()) == 0
+    assert _done(pair.a.write(pair.src_desc, 0, pair.dst_desc, 0, 4096, 1)).Succeeded()
+
+
+def test_connecting_to_the_wrong_engine_is_refused(make) -> None:
+    from mori.io import EngineDesc
+
+    a, b = make("a"), make("b")
+    wrong = EngineDesc(**{**b.get_engine_desc().__dict__, "key": "c"})
+    a.register_remote_engine(wrong)
+    x = torch.zeros(8, dtype=torch.uint8)
+    st = _done(a.write(a.register_torch_tensor(x), 0, MemoryDesc("c", 1, -1, "", 1, 8, 1, -1, b""), 0, 8, 1))
+    assert st.Code() == StatusCode.ERR_BAD_STATE and "is 'b', not 'c'" in st.Message()
+
+
+class _Backend:
+    """A Python backend following mori.io.backend_api; ``broken`` ones raise on post."""
+
+    preference = 100
+
+    def __init__(self, broken: bool) -> None:
+        self.broken = broken
+        self.posts = 0
+        self.registered: list[MemoryDesc] = []
+
+    def supports(self, local, remote) -> bool:
+        return True
+
+    def post(self, op, local, loffs, remote, roffs, sizes, uid) -> TransferStatus:
+        self.posts += 1
+        if self.broken:
+            raise MoriBackendError("fake backend lost its device")
+        st = TransferStatus()
+        st._set_in_progress()
+        threading.Timer(0.01, lambda: st._complete(0, "")).start()
+        return st
+
+    def on_register_memory(self, desc):
+        self.registered.append(desc)
+        return b"handle"
+
+    def on_deregister_memory(self, desc) -> None:
+        pass
+
+    def on_register_remote_engine(self, desc) -> None:
+        pass
+
+    def on_deregister_remote_engine(self, desc) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_xgmi(monkeypatch: pytest.MonkeyPatch):
+    from mori.io import backend_api
+
+    holder: dict[str, _Backend] = {}
+    module = types.ModuleType("fake_xgmi")
+
+    def create_backend(engine, config):
+        holder["b"] = _Backend(broken=holder.get("broken", True))  # type: ignore[arg-type]
+        return holder["b"]
+
+    module.create_backend = create_backend  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_xgmi", module)
+    monkeypatch.setitem(backend_api.BACKEND_MODULES, "XGMI", "fake_xgmi")
+    return holder
+
+
+def test_failover_from_a_failing_backend_to_tcp(pair, fake_xgmi) -> None:
+    pair.a.create_backend(BackendType.XGMI)
+    fake = fake_xgmi["b"]
+    assert fake.registered == [pair.src_desc], "existing registrations are replayed to a new backend"
+    for uid in (1, 2):
+        st = _done(pair.a.write(pair.src_desc, 0, pair.dst_desc, 0, 4096, uid))
+        assert st.Succeeded(), st.Message()
+    assert fake.posts == 1, "a backend that failed for a pair is not asked again"
+    assert torch.equal(pair.dst[:4096], pair.src[:4096])
+
+
+def test_route_cache_prefers_the_higher_preference(pair, fake_xgmi) -> None:
+    fake_xgmi["broken"] = False  # type: ignore[assignment]
+    pair.a.create_backend(BackendType.XGMI)
+    m = pair.a.register_torch_tensor(torch.zeros(8))
+    assert m.ipc_handle == b"handle"
+    st = _done(pair.a.write(pair.src_desc, 0, pair.dst_desc, 0, 4096, 1))
+    assert st.Succeeded() and fake_xgmi["b"].posts == 1
+    assert pair.a._route_name(pair.src_desc, pair.dst_desc) == "_Backend"
+    pair.a.remove_backend(BackendType.XGMI)
+    assert pair.a._route_name(pair.src_desc, pair.dst_desc) in ("tcp", "tcp+cma")
