@@ -224,27 +224,14 @@ def _check_args(args: argparse.Namespace) -> None:
         raise bad_value(SUITE, "--timeout", args.timeout, "seconds > 0")
 
 
+#: the options the ranks need (the rest stays in this process)
+_SPEC_KEYS = ("device", "ranks", "tokens", "hidden", "experts", "topk", "dtype", "sms", "warps")
+_SPEC_KEYS += ("kernel_type", "iters", "warmup", "reps", "seed")
+
+
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
-    spec = {
-        k: getattr(args, k)
-        for k in (
-            "device",
-            "ranks",
-            "tokens",
-            "hidden",
-            "experts",
-            "topk",
-            "dtype",
-            "sms",
-            "warps",
-            "kernel_type",
-            "iters",
-            "warmup",
-            "reps",
-            "seed",
-        )
-    }
+    spec = {k: getattr(args, k) for k in _SPEC_KEYS}
     spec["baseline"] = not args.no_baseline
     spec["port"] = _free_port()
     results = _launch(spec, args.timeout)
@@ -316,9 +303,9 @@ def quantise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
     n, h = x.shape
-    v = x.float().view(n, h // FP8_BLOCK, FP8_BLOCK)
+    v = x.float().reshape(n, h // FP8_BLOCK, FP8_BLOCK)
     amax = v.abs().amax(dim=2).clamp(min=1e-4)
-    q = (v * (FP8_MAX / amax)[:, :, None]).to(torch.float8_e4m3fn).view(n, h)
+    q = (v * (FP8_MAX / amax)[:, :, None]).to(torch.float8_e4m3fn).reshape(n, h)
     return q, amax / FP8_MAX
 
 
@@ -327,8 +314,8 @@ def dequantise_fp8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     import torch
 
     n, h = q.shape
-    v = q.float().view(n, h // FP8_BLOCK, FP8_BLOCK) * scales[:, : h // FP8_BLOCK, None].float()
-    return v.view(n, h).to(torch.bfloat16)
+    v = q.float().reshape(n, h // FP8_BLOCK, FP8_BLOCK) * scales[:, : h // FP8_BLOCK, None].float()
+    return v.reshape(n, h).to(torch.bfloat16)
 
 
 # -- the baseline: torch.distributed.all_to_all_single ----------------------------------------------------
@@ -534,7 +521,8 @@ class _Timer:
                 torch.cuda.current_stream().wait_stream(side)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                # thread_local: NCCL's watchdog thread may query events while we capture
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     for _ in range(reps):
                         fn()
             except Exception as e:  # say why, then time eagerly on every rank
