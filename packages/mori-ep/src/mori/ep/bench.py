@@ -27,8 +27,9 @@ capture fails on any rank, every rank times eager calls instead and the output s
 baseline dispatch reads its split sizes on the host, so it cannot be captured: it is timed eagerly
 with events around ``--reps`` calls (its host syncs included); the baseline combine and the
 baseline dispatch with known splits ("cached") are captured when NCCL allows it. CPU: wall clock
-(``time.perf_counter``) around ``--reps`` host-blocking calls after a barrier. Every rank measures;
-a sample is the slowest rank's time, and the latency is the median of the samples with p10-p90.
+(``time.perf_counter``) around ``--reps`` host-blocking calls after a barrier; each rank runs torch
+with ``cores / ranks`` threads (at least one). Every rank measures; a sample is the slowest rank's
+time, and the latency is the median of the samples with p10-p90.
 
 Bandwidth, per rank, then the mean over ranks (GB = 1e9 bytes), by two formulas:
 
@@ -238,6 +239,8 @@ def run(args: argparse.Namespace) -> int:
     rows = _rows(spec, results)
     verified = _report(spec, results, rows)
     config = {**spec, "device_name": results[0]["device_name"], "torch": results[0]["torch"]}
+    if spec["device"] == "cpu":
+        config["torch_threads_per_rank"] = _cpu_threads(spec["ranks"])
     config.pop("port")
     path = bench.write_json(args.json, "ep", config, rows)
     print(f"wrote {path}")
@@ -434,6 +437,11 @@ def _heap_bytes(spec: dict[str, Any]) -> int:
     return 2 * 4 * rows * per_row + (256 << 20)
 
 
+def _cpu_threads(nranks: int) -> int:
+    """torch threads per CPU rank: the cores divided evenly, at least one."""
+    return max(1, (os.cpu_count() or 1) // nranks)
+
+
 def _set_device(rank: int, nranks: int) -> None:
     import torch
 
@@ -469,6 +477,8 @@ def _rank_main(rank: int, nranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     if cuda:
         dist.init_process_group("nccl", init_method=init, rank=rank, world_size=nranks, device_id=dev)
     else:
+        # ranks share the cores: one share each, so torch's thread pools do not oversubscribe them
+        torch.set_num_threads(_cpu_threads(nranks))
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=nranks)
     try:
         cases = [_case(rank, nranks, spec, t, d, dev) for t in spec["tokens"] for d in spec["dtype"]]
@@ -896,10 +906,11 @@ def _plot(path: Any, rows: list[dict[str, Any]], config: dict[str, Any]) -> None
     except ImportError:
         print("(matplotlib not installed: no plot)")
         return
-    labels = [
-        f"{r['phase']}\n{r['tokens']} {r['dtype']}" + ("" if r["sms"] == -1 else f"\n{r['sms']} SMs")
-        for r in rows
-    ]
+    labels = []
+    for r in rows:
+        run = "" if r["phase"] == "dispatch" else f"\n({r['dispatch_dtype']} run)"
+        sms = "" if r["sms"] == -1 else f"\n{r['sms']} SMs"
+        labels.append(f"{r['phase']}\n{r['tokens']} {r['dtype']}{run}{sms}")
     xs = list(range(len(rows)))
     has_base = all("baseline" in r for r in rows)
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, len(rows) * 1.1), 8))
