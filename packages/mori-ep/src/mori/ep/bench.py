@@ -49,6 +49,7 @@ rescaling (``M * K / total_recv``) is given as ``original_ll_scale`` in the JSON
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 import time
@@ -226,8 +227,8 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 #: the options the ranks need (the rest stays in this process)
-_SPEC_KEYS = ("device", "ranks", "tokens", "hidden", "experts", "topk", "dtype", "sms", "warps")
-_SPEC_KEYS += ("kernel_type", "iters", "warmup", "reps", "seed")
+_SPEC_KEYS: tuple[str, ...] = ("device", "ranks", "tokens", "hidden", "experts", "topk", "dtype", "sms")
+_SPEC_KEYS += ("warps", "kernel_type", "iters", "warmup", "reps", "seed")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -434,7 +435,7 @@ def _heap_bytes(spec: dict[str, Any]) -> int:
     w, h, k = spec["ranks"], spec["hidden"], spec["topk"]
     per_row = h * 2 + (h // FP8_BLOCK) * 4 + 4 * k * 4 + 64
     rows = sum(w * t for t in spec["tokens"]) * len(spec["dtype"])
-    return 2 * 4 * rows * per_row + (256 << 20)
+    return int(2 * 4 * rows * per_row + (256 << 20))
 
 
 def _cpu_threads(nranks: int) -> int:
@@ -580,10 +581,8 @@ class _Timer:
             for _ in range(self.reps):
                 fn()
             samples.append((time.perf_counter() - t0) / self.reps)
-        return {
-            "samples": samples,
-            "mode": f"wall clock (perf_counter) around {self.reps} host-blocking calls",
-        }
+        calls = "1 host-blocking call" if self.reps == 1 else f"{self.reps} host-blocking calls"
+        return {"samples": samples, "mode": f"wall clock (perf_counter) around {calls}"}
 
 
 def _case(
@@ -656,8 +655,8 @@ def _case(
     timer = _Timer(spec, dev)
     ours = []
     for sms in spec["sms"]:
-        d = timer(lambda sms=sms: dispatch(sms), capture=True)
-        c = timer(lambda sms=sms: combine(sms), capture=True)
+        d = timer(functools.partial(dispatch, sms), capture=True)
+        c = timer(functools.partial(combine, sms), capture=True)
         ours.append({"sms": sms, "dispatch": d, "combine": c})
     result: dict[str, Any] = {
         "tokens": tokens,
