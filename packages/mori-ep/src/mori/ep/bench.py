@@ -840,7 +840,7 @@ def _report(spec: dict[str, Any], results: list[dict[str, Any]], rows: list[dict
     )
     print(
         "latency: median [p10-p90] us per call of the slowest rank over "
-        f"{spec['iters']} measurements of {spec['reps']} calls; GB/s: per rank, mean over ranks, 1 GB = 1e9 B"
+        f"{spec['iters']} measurements of {spec['reps']} call(s); GB/s: per rank, mean over ranks, 1 GB = 1e9 B"
     )
     print(
         bench.format_table(
