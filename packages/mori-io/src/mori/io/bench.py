@@ -693,7 +693,10 @@ def run_gpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
                 for i in range(batch):
                     dst[i * block : (i + 1) * block].copy_(src[i * block : (i + 1) * block])
 
-            runners = {"mori": (mori_post, _CpuInitiator.mori_wait), "copy": (copy_post, sync_both)}
+            runners: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {
+                "mori": (mori_post, _CpuInitiator.mori_wait),
+                "copy": (copy_post, sync_both),
+            }
             reps: dict[str, list[tuple[list[float], list[float]]]] = {k: [] for k in runners}
             for post, wait in runners.values():
                 time_transfers(post, wait, max(2, iters // 10))

@@ -83,7 +83,10 @@ def scatter_gather_kernel(
     dst = _as_word_pointer(dst_addr, WORD_BYTES)
     src = _as_word_pointer(src_addr, WORD_BYTES)
     # share of this program: a multiple of BLOCK words, so every iteration but a block's last is full
-    share = tl.cdiv(tl.cdiv(n_words, split), BLOCK) * BLOCK
+    # (plain integer arithmetic, not tl.cdiv: the kernel then also runs in the interpreter of a process
+    # whose Triton was imported for compiling)
+    per_program = (n_words + split - 1) // split
+    share = (per_program + BLOCK - 1) // BLOCK * BLOCK
     start = j.to(tl.int64) * share
     end = tl.minimum(start + share, n_words)
     offs = tl.arange(0, BLOCK)

@@ -1,0 +1,565 @@
+"""The XGMI backend without a GPU: the scatter-gather kernel under the Triton interpreter, and the
+backend's real code on the fake CUDA driver of mori.testing (device memory is host memory there, an
+IPC open maps the same memory again at another address, two fake runtimes play two processes).
+
+The tests marked ``cuda`` run the backend on real GPUs (two of them) through the public API.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import random
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from mori.core.errors import MoriBackendError, MoriValueError
+from mori.io import (
+    BackendType,
+    EngineDesc,
+    IOEngine,
+    IOEngineConfig,
+    MemoryDesc,
+    MemoryLocationType,
+    StatusCode,
+    XgmiBackendConfig,
+    xgmi,
+)
+from mori.io.xgmi import Block, XgmiBackend, merge_blocks, word_bytes
+
+ROOT = Path(__file__).resolve().parents[3]
+NVLINK = ROOT / "backends" / "nvlink"
+MiB = 1 << 20
+GPU = int(MemoryLocationType.GPU)
+
+
+def _load(name: str, path: str) -> ModuleType:
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="session")
+def sg() -> ModuleType:
+    """mori.io.xgmi_kernels compiled for the Triton interpreter (runs on CPU memory)."""
+    pytest.importorskip("triton", reason="the scatter-gather kernel needs Triton")
+    import mori.io.xgmi_kernels  # noqa: F401  (Triton's own modules load compiled, not interpreted)
+
+    spec = importlib.util.find_spec("mori.io.xgmi_kernels")
+    assert spec is not None and spec.origin is not None
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # triton.jit picks the interpreter when it decorates
+    try:
+        return _load("mori_io_xgmi_kernels_interpreted", spec.origin)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def _bytes(addr: int, n: int) -> bytes:
+    return ctypes.string_at(addr, n)
+
+
+def _fill(addr: int, data: bytes) -> None:
+    ctypes.memmove(addr, data, len(data))
+
+
+# -- host-side helpers -------------------------------------------------------------------------------------
+
+
+def test_merge_blocks_joins_only_what_continues_on_both_sides() -> None:
+    blocks = merge_blocks([100, 110, 200, 300, 310], [0, 10, 20, 40, 50], [10, 10, 20, 10, 0])
+    # 0+1 continue on both sides; 2 continues the source only; 3 starts anew; 4 is empty
+    assert blocks == [Block(100, 0, 20), Block(200, 20, 20), Block(300, 40, 10)]
+    assert merge_blocks([], [], []) == []
+    with pytest.raises(ValueError):
+        merge_blocks([1], [2, 3], [4])
+
+
+def test_word_bytes_is_the_widest_common_alignment() -> None:
+    assert word_bytes([Block(64, 128, 4096)]) == 8
+    assert word_bytes([Block(64, 128, 4096), Block(4, 8, 16)]) == 4
+    assert word_bytes([Block(2, 8, 6)]) == 2
+    assert word_bytes([Block(64, 129, 4096)]) == 1
+
+
+def test_threshold_variable_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    var = xgmi.MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD
+    assert var.get() == 8
+    monkeypatch.setenv(var.name, "0")
+    assert var.get() == 0
+    monkeypatch.setenv(var.name, "-3")
+    with pytest.raises(MoriValueError, match="MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD='-3' is not valid"):
+        var.get()
+
+
+# -- the kernel under the interpreter ------------------------------------------------------------------------
+
+
+def _run_kernel(sg: ModuleType, blocks: list[Block], split: int) -> None:
+    word = word_bytes(blocks)
+    n = len(blocks)
+    table = torch.tensor(
+        [[b.dst for b in blocks], [b.src for b in blocks], [b.size // word for b in blocks]],
+        dtype=torch.int64,
+    )
+    sg.scatter_gather_kernel[(n, split)](table, n, split, WORD_BYTES=word, BLOCK=64)
+
+
+@pytest.mark.parametrize("align", [8, 4, 2, 1])
+@pytest.mark.parametrize("split", [1, 3])
+def test_scatter_gather_kernel_copies_every_block_exactly(sg: ModuleType, align: int, split: int) -> None:
+    rng = random.Random(align * 10 + split)
+    src = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
+    dst = torch.zeros(1 << 16, dtype=torch.uint8)
+    expected = torch.zeros_like(dst)
+    blocks, spans = [], []
+    cursor = 0
+    for _ in range(12):  # disjoint destination blocks, sizes not multiples of the kernel's BLOCK
+        size = rng.randrange(1, 700) * align
+        soff = rng.randrange(0, (1 << 16) - size) // align * align
+        blocks.append(Block(dst.data_ptr() + cursor, src.data_ptr() + soff, size))
+        spans.append((cursor, soff, size))
+        cursor += size + align * rng.randrange(1, 9)  # a gap that must stay zero
+    assert word_bytes(blocks) == align
+    _run_kernel(sg, blocks, split)
+    for d, s, n in spans:
+        expected[d : d + n] = src[s : s + n]
+    assert torch.equal(dst, expected)
+
+
+def test_scatter_gather_kernel_carries_aot_specs_for_every_word(sg: ModuleType) -> None:
+    from mori.core.kernels import aot_specs
+    from mori.io import xgmi_kernels
+
+    specs = aot_specs(xgmi_kernels.scatter_gather_kernel)
+    assert sorted(s.constexprs["WORD_BYTES"] for s in specs) == [1, 2, 4, 8]
+    assert all(set(s.signature) == {"desc_ptr", "n_blocks", "split"} for s in specs)
+
+
+# -- the backend on the fake CUDA driver ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def fake_cuda() -> tuple[Any, Any]:
+    """(fake runtime class, fake library class) of mori-backend-nvlink's tests."""
+    if importlib.util.find_spec("mori_backend_nvlink") is None:
+        if not (NVLINK / "src").is_dir():
+            pytest.skip("mori-backend-nvlink is neither installed nor in this checkout")
+        sys.path.insert(0, str(NVLINK / "src"))
+    from mori_backend_nvlink.driver import CudaDriver
+    from mori_backend_nvlink.runtime import CudaRuntime
+    from mori_backend_nvlink.transport import P2PTransport
+
+    from mori.testing.gpu_runtime import GpuBackend, fake_runtime_class
+
+    fake = _load("mori_io_fake_cuda", str(NVLINK / "tests" / "_fake_cuda.py"))
+    backend = GpuBackend(
+        runtime_class=CudaRuntime,
+        driver_class=CudaDriver,
+        transport_class=P2PTransport,
+        fake_lib=fake.FakeCudaLib,
+        library="libcuda.so.1",
+        missing_why="no NVIDIA driver",
+        no_devices_reason="",
+        other_runtime="hip",
+        heap_alloc_call="cuMemAlloc_v2",
+        memcpy_call="cuMemcpyAsync",
+        context_calls=("cuCtxGetCurrent", "cuCtxSetCurrent"),
+        memcpy_failure="",
+    )
+    return fake_runtime_class(backend), fake
+
+
+class Node:
+    """Fake processes of one node: ``runtime(pid, device)`` makes one, ``close()`` frees them all."""
+
+    def __init__(self, runtime_class: Any, fake: Any) -> None:
+        self.runtime_class = runtime_class
+        self.fake = fake
+        self.world = fake.FakeWorld()
+        self.libs: list[Any] = []
+
+    def runtime(self, pid: int, device: int = 0) -> Any:
+        lib = self.fake.FakeCudaLib(self.world)
+        self.libs.append(lib)
+        return self.runtime_class(lib, device=device, pid=pid)
+
+    def close(self) -> None:
+        for lib in self.libs:
+            lib.close()
+        self.world.close()
+
+
+@pytest.fixture
+def node(fake_cuda: tuple[Any, Any]) -> Iterator[Node]:
+    n = Node(*fake_cuda)
+    yield n
+    n.close()
+
+
+def interpreted_backend_class(sg: ModuleType) -> type[XgmiBackend]:
+    """XgmiBackend whose kernel launches run the interpreted kernel (the fake GPU's memory is host memory)."""
+
+    class InterpretedXgmi(XgmiBackend):
+        def _launch_kernel(self, stream: int, table: Any, n: int, split: int, word: int) -> None:
+            words = (ctypes.c_int64 * (3 * n)).from_address(table.device)
+            t = torch.frombuffer(words, dtype=torch.int64)
+            sg.scatter_gather_kernel[(n, split)](t, n, split, WORD_BYTES=word, BLOCK=64)
+
+    return InterpretedXgmi
+
+
+def gpu_alloc(rt: Any, size: int) -> int:
+    """Device memory from the fake driver (what torch's allocator would hand out)."""
+    if rt._state is None:
+        rt._bind()
+    with rt._state.active():
+        return int(rt._state.drv.mem_alloc(size))
+
+
+class Side:
+    """One fake process: a backend and a registered GPU region at ``base + offset``."""
+
+    ids = iter(range(1, 1 << 30))
+
+    def __init__(self, backend: XgmiBackend, rt: Any, key: str, alloc: int, offset: int, size: int) -> None:
+        self.backend, self.rt, self.key = backend, rt, key
+        self.base = alloc + offset
+        desc = MemoryDesc(key, next(Side.ids), 0, "", self.base, size, GPU, -1, b"")
+        handle = backend.on_register_memory(desc)
+        assert handle is not None
+        self.desc = MemoryDesc(**{**desc.__dict__, "ipc_handle": handle})
+
+
+def make_side(
+    node: Node, sg: ModuleType, key: str, pid: int, *, size: int = MiB, offset: int = 0, **kw: Any
+) -> Side:
+    rt = node.runtime(pid, device=pid % 2)
+    backend = interpreted_backend_class(sg)(key, "node-a", rt, **kw)
+    alloc = gpu_alloc(rt, size + offset + 4096)
+    return Side(backend, rt, key, alloc, offset, size)
+
+
+def connect(a: Side, b: Side, node_id: str = "node-a") -> None:
+    a.backend.on_register_remote_engine(EngineDesc(b.key, node_id, "h", "127.0.0.1", 1, 2))
+    b.backend.on_register_remote_engine(EngineDesc(a.key, node_id, "h", "127.0.0.1", 1, 2))
+
+
+def wait_ok(st: Any) -> None:
+    assert st.WaitFor(5000), "the transfer did not finish within 5 s"
+    assert st.Succeeded(), (st.Code(), st.Message())
+
+
+@pytest.mark.parametrize("threshold", ["0", "4"])
+def test_write_and_read_between_two_processes(
+    node: Node, sg: ModuleType, threshold: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD", threshold)
+    # b's region is a sub-range (offset 4096) of a larger allocation, as per-layer KV views are
+    a = make_side(node, sg, "a", 1000, num_streams=3)
+    b = make_side(node, sg, "b", 1001, offset=4096)
+    connect(a, b)
+    assert a.backend.supports(a.desc, b.desc) and b.backend.supports(b.desc, a.desc)
+    payload = bytes(random.Random(1).randrange(256) for _ in range(64 * 1024))
+    _fill(a.base, payload)
+    # batch of 16 strided 1 KiB blocks, a -> b
+    loffs = [i * 4096 for i in range(16)]
+    roffs = [i * 2048 + 8 for i in range(16)]
+    st = a.backend.post("write", a.desc, loffs, b.desc, roffs, [1024] * 16, 7)
+    wait_ok(st)
+    for lo, ro in zip(loffs, roffs, strict=True):
+        assert _bytes(b.base + ro, 1024) == payload[lo : lo + 1024]
+    assert _bytes(b.base, 8) == bytes(8)  # nothing before the first block
+    kernel = a.backend.counters["kernel_launches"]
+    assert kernel == (1 if threshold == "4" else 0)
+    assert a.backend.counters["copies"] == (0 if threshold == "4" else 16)
+    # read it back into another place of a, one block and a batch
+    st = a.backend.post("read", a.desc, [512 * 1024], b.desc, [8], [1024], 8)
+    wait_ok(st)
+    assert _bytes(a.base + 512 * 1024, 1024) == payload[:1024]
+    st = a.backend.post(
+        "read", a.desc, [600 * 1024 + i * 100 for i in range(5)], b.desc, roffs[:5], [100] * 5, 9
+    )
+    wait_ok(st)
+    for i in range(5):
+        assert _bytes(a.base + 600 * 1024 + i * 100, 100) == payload[loffs[i] : loffs[i] + 100]
+    for s in (a, b):
+        s.backend.close()
+
+
+def test_contiguous_blocks_merge_into_one_copy(node: Node, sg: ModuleType) -> None:
+    a = make_side(node, sg, "a", 1000)
+    b = make_side(node, sg, "b", 1001)
+    connect(a, b)
+    _fill(a.base, bytes(range(256)) * 256)
+    offs = [i * 4096 for i in range(16)]
+    wait_ok(a.backend.post("write", a.desc, offs, b.desc, offs, [4096] * 16, 1))
+    assert a.backend.counters == {"copies": 1, "kernel_launches": 0, "kernel_blocks": 0, "transfers": 1}
+    assert _bytes(b.base, 65536) == bytes(range(256)) * 256
+    a.backend.close()
+    b.backend.close()
+
+
+def test_large_blocks_use_copy_engines_next_to_the_kernel(node: Node, sg: ModuleType) -> None:
+    a = make_side(node, sg, "a", 1000, size=4 * MiB)
+    b = make_side(node, sg, "b", 1001, size=4 * MiB)
+    connect(a, b)
+    data = os.urandom(4 * MiB)
+    _fill(a.base, data)
+    # 8 small strided blocks and one 2 MiB block
+    loffs = [i * 8192 for i in range(8)] + [2 * MiB]
+    sizes = [4096] * 8 + [2 * MiB]
+    wait_ok(a.backend.post("write", a.desc, loffs, b.desc, loffs, sizes, 3))
+    for lo, n in zip(loffs, sizes, strict=True):
+        assert _bytes(b.base + lo, n) == data[lo : lo + n]
+    c = a.backend.counters
+    assert (c["kernel_launches"], c["kernel_blocks"], c["copies"]) == (1, 8, 1)
+    a.backend.close()
+    b.backend.close()
+
+
+def test_statuses_complete_without_wait_and_mappings_are_cached(node: Node, sg: ModuleType) -> None:
+    a = make_side(node, sg, "a", 1000)
+    b = make_side(node, sg, "b", 1001)
+    connect(a, b)
+    statuses = [a.backend.post("write", a.desc, [0], b.desc, [i * 64], [64], i) for i in range(20)]
+    deadline = time.monotonic() + 5
+    while not all(s.Succeeded() for s in statuses) and time.monotonic() < deadline:
+        time.sleep(0.001)  # nobody calls Wait(): the completion thread finishes them
+    assert all(s.Succeeded() for s in statuses)
+    assert a.rt.lib.calls.count("cuIpcOpenMemHandle_v2") == 1
+    # forgetting the remote engine unmaps its regions
+    a.backend.on_deregister_remote_engine(EngineDesc("b", "node-a", "h", "127.0.0.1", 1, 2))
+    assert a.rt.lib.opened == {}
+    assert not a.backend.supports(a.desc, b.desc)  # b's node is unknown now
+    a.backend.close()
+    b.backend.close()
+
+
+def test_supports_only_gpu_pairs_of_one_node_with_matching_handles(node: Node, sg: ModuleType) -> None:
+    a = make_side(node, sg, "a", 1000)
+    b = make_side(node, sg, "b", 1001)
+    c = make_side(node, sg, "c", 1002)
+    connect(a, b)
+    a.backend.on_register_remote_engine(EngineDesc("c", "node-b", "h", "127.0.0.1", 1, 2))
+    assert a.backend.supports(a.desc, b.desc)
+    assert not a.backend.supports(a.desc, c.desc)  # another node
+    cpu = MemoryDesc(**{**b.desc.__dict__, "loc": int(MemoryLocationType.CPU)})
+    assert not a.backend.supports(a.desc, cpu)
+    bigger = MemoryDesc(**{**b.desc.__dict__, "size": b.desc.size + 1})  # claims more than was exported
+    assert not a.backend.supports(a.desc, bigger)
+    moved = MemoryDesc(**{**b.desc.__dict__, "data": b.desc.data - 64})
+    assert not a.backend.supports(a.desc, moved)
+    foreign = MemoryDesc(**{**b.desc.__dict__, "ipc_handle": b"MXGM" + b.desc.ipc_handle[4:]})
+    assert not a.backend.supports(a.desc, foreign)
+    assert not a.backend.supports(b.desc, b.desc)  # local_desc must be this engine's
+    assert a.backend.on_register_memory(MemoryDesc("a", 99, -1, "", 4096, 64, 1, -1, b"")) is None
+    for s in (a, b, c):
+        s.backend.close()
+
+
+def test_a_failed_copy_fails_the_status_with_the_driver_message(node: Node, sg: ModuleType) -> None:
+    a = make_side(node, sg, "a", 1000)
+    b = make_side(node, sg, "b", 1001)
+    connect(a, b)
+    a.rt.lib.fail["cuMemcpyAsync"] = 700
+    st = a.backend.post("write", a.desc, [0], b.desc, [0], [4096], 5)
+    assert st.Failed() and st.Code() == StatusCode.ERR_GPU_OP
+    assert "cuMemcpyAsync failed" in st.Message() and "uid 5" in st.Message()
+    del a.rt.lib.fail["cuMemcpyAsync"]
+    a.rt.lib.fail["cuEventSynchronize"] = 700
+    st = a.backend.post("write", a.desc, [0], b.desc, [0], [4096], 6)
+    assert st.WaitFor(5000) and st.Code() == StatusCode.ERR_GPU_OP and "cuEventSynchronize" in st.Message()
+    del a.rt.lib.fail["cuEventSynchronize"]
+    wait_ok(a.backend.post("write", a.desc, [0], b.desc, [0], [4096], 7))  # the backend still works
+    a.backend.close()
+    b.backend.close()
+
+
+def test_an_unmappable_region_raises_for_failover(node: Node, sg: ModuleType) -> None:
+    a = make_side(node, sg, "a", 1000)
+    b = make_side(node, sg, "b", 1001)
+    connect(a, b)
+    a.rt.lib.fail["cuIpcOpenMemHandle_v2"] = 1
+    with pytest.raises(MoriBackendError, match=r"XGMI: cannot map region .* of engine 'b'"):
+        a.backend.post("write", a.desc, [0], b.desc, [0], [64], 1)
+    a.backend.close()
+    b.backend.close()
+
+
+def test_same_process_regions_are_used_without_ipc(node: Node, sg: ModuleType) -> None:
+    rt = node.runtime(1000)
+    backend = interpreted_backend_class(sg)("a", "node-a", rt)
+    alloc = gpu_alloc(rt, 2 * MiB)
+    x = Side(backend, rt, "a", alloc, 0, MiB)
+    y = Side(backend, rt, "a", alloc, MiB, MiB)  # another region of the same allocation
+    _fill(x.base, b"hello xgmi")
+    wait_ok(backend.post("write", x.desc, [0], y.desc, [100], [10], 1))
+    assert _bytes(y.base + 100, 10) == b"hello xgmi"
+    assert "cuIpcOpenMemHandle_v2" not in rt.lib.calls
+    backend.close()
+
+
+# -- through IOEngine ------------------------------------------------------------------------------------------
+
+
+def test_create_backend_says_why_there_is_no_gpu_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    def none() -> Any:
+        raise MoriBackendError(
+            "create_backend(XGMI): no usable GPU runtime: cuda (mori-backend-nvlink): no GPU"
+        )
+
+    monkeypatch.setattr(xgmi, "find_gpu_runtime", none)
+    with (
+        IOEngine("x", IOEngineConfig("127.0.0.1", 0)) as engine,
+        pytest.raises(MoriBackendError, match="no usable GPU runtime"),
+    ):
+        engine.create_backend(BackendType.XGMI, XgmiBackendConfig(num_streams=2))
+
+
+def test_find_gpu_runtime_on_this_machine() -> None:
+    try:
+        rt = xgmi.find_gpu_runtime()
+    except MoriBackendError as e:
+        assert "no usable GPU runtime" in str(e)
+    else:
+        assert rt.name in ("cuda", "hip")
+
+
+def test_io_engines_route_gpu_memory_through_xgmi(
+    node: Node, sg: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two engines of one (real) process, each on its own fake 'process' runtime: the public API end to end."""
+    runtimes = iter([node.runtime(1000, device=0), node.runtime(1001, device=1)])
+    monkeypatch.setattr(xgmi, "find_gpu_runtime", lambda: next(runtimes))
+    monkeypatch.setattr(xgmi, "XgmiBackend", interpreted_backend_class(sg))
+    with (
+        IOEngine("ea", IOEngineConfig("127.0.0.1", 0)) as ea,
+        IOEngine("eb", IOEngineConfig("127.0.0.1", 0)) as eb,
+    ):
+        ea.create_backend(BackendType.XGMI, XgmiBackendConfig(num_streams=4, num_events=4))
+        eb.create_backend(BackendType.XGMI)
+        ba, bb = ea._backends[BackendType.XGMI], eb._backends[BackendType.XGMI]
+        pa, pb = gpu_alloc(ba.runtime, 2 * MiB), gpu_alloc(bb.runtime, 2 * MiB)
+        da = ea.register_memory(pa, MiB, 0, MemoryLocationType.GPU)
+        db = eb.register_memory(pb + 8192, MiB, 1, MemoryLocationType.GPU)
+        assert da.ipc_handle and db.ipc_handle
+        ea.register_remote_engine(eb.get_engine_desc())
+        eb.register_remote_engine(ea.get_engine_desc())
+        remote = MemoryDesc.unpack(db.pack())  # as it travels between processes
+        _fill(pa, bytes(range(256)) * 64)
+        sess = ea.create_session(da, remote)
+        assert sess is not None
+        wait_ok(sess.batch_write([i * 512 for i in range(32)], [i * 1024 for i in range(32)], [256] * 32, 1))
+        for i in range(32):
+            assert _bytes(pb + 8192 + i * 1024, 256) == (bytes(range(256)) * 64)[i * 512 : i * 512 + 256]
+        wait_ok(ea.read(da, MiB - 256, remote, 0, 256, ea.allocate_transfer_uid()))
+        assert _bytes(pa + MiB - 256, 256) == bytes(range(256))
+        assert ea._route_name(da, remote) == "InterpretedXgmi"
+        # out of range: the engine refuses before the backend
+        st = ea.write(da, 0, remote, MiB - 8, 16, ea.allocate_transfer_uid())
+        assert st.Failed() and st.Code() == StatusCode.ERR_INVALID_ARGS
+        assert eb.pop_inbound_transfer_status("ea", 1) is None  # XGMI has no notifications
+        ea.deregister_memory(da)
+        eb.deregister_memory(db)
+
+
+# -- real GPUs -------------------------------------------------------------------------------------------------
+
+
+def _two_gpus() -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+
+
+@pytest.mark.cuda
+def test_gpu_kernel_matches_on_device() -> None:
+    _two_gpus()
+    from mori.io import xgmi_kernels
+
+    src = torch.randint(0, 256, (1 << 22,), dtype=torch.uint8, device="cuda:0")
+    dst = torch.zeros(1 << 22, dtype=torch.uint8, device="cuda:1")
+    blocks = [Block(dst.data_ptr() + i * 32768, src.data_ptr() + i * 16384, 16384) for i in range(128)]
+    table = torch.tensor(
+        [[b.dst for b in blocks], [b.src for b in blocks], [b.size // 8 for b in blocks]],
+        dtype=torch.int64,
+        device="cuda:0",
+    )
+    torch.cuda.set_device(0)
+    xgmi_kernels.scatter_gather_kernel[(128, 1)](table, 128, 1, WORD_BYTES=8, BLOCK=1024)
+    torch.cuda.synchronize(0)
+    for i in range(128):
+        assert torch.equal(dst[i * 32768 : i * 32768 + 16384].cpu(), src[i * 16384 : (i + 1) * 16384].cpu())
+
+
+def _gpu_peer(conn: Any) -> None:
+    torch.cuda.set_device(1)
+    buf = torch.zeros(64 * MiB, dtype=torch.uint8, device="cuda:1")
+    with IOEngine("peer", IOEngineConfig("127.0.0.1", 0)) as e:
+        e.create_backend(BackendType.XGMI)
+        # a sub-range of a larger allocation, as per-layer KV views
+        d = e.register_torch_tensor(buf[MiB:])
+        conn.send((e.get_engine_desc().pack(), d.pack()))
+        conn.recv()
+        conn.send(buf[MiB : MiB + 4 * MiB].cpu())
+        conn.recv()
+
+
+@pytest.mark.cuda
+def test_gpu_two_processes_write_read_batch() -> None:
+    _two_gpus()
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_gpu_peer, args=(child,))
+    p.start()
+    try:
+        ed, md = parent.recv()
+        torch.cuda.set_device(0)
+        src = torch.randint(0, 256, (8 * MiB,), dtype=torch.uint8, device="cuda:0")
+        with IOEngine("init", IOEngineConfig("127.0.0.1", 0)) as e:
+            e.create_backend(BackendType.XGMI)
+            local = e.register_torch_tensor(src)
+            remote = MemoryDesc.unpack(md)
+            e.register_remote_engine(EngineDesc.unpack(ed))
+            wait_ok(e.write(local, 0, remote, 0, 2 * MiB, e.allocate_transfer_uid()))
+            offs = [i * 16384 for i in range(128)]
+            st = e.batch_write(
+                [local],
+                [[2 * MiB + o for o in offs]],
+                [remote],
+                [[2 * MiB + 2 * o for o in offs]],
+                [[8192] * 128],
+                [1],
+            )[0]
+            wait_ok(st)
+            parent.send("copy")
+            got = parent.recv()
+            host = src.cpu()
+            assert torch.equal(got[: 2 * MiB], host[: 2 * MiB])
+            for o in offs:
+                assert torch.equal(
+                    got[2 * MiB + 2 * o : 2 * MiB + 2 * o + 8192], host[2 * MiB + o : 2 * MiB + o + 8192]
+                )
+            wait_ok(e.read(local, 4 * MiB, remote, 0, 2 * MiB, e.allocate_transfer_uid()))
+            torch.cuda.synchronize()
+            assert torch.equal(src[4 * MiB : 6 * MiB], src[: 2 * MiB])
+            parent.send("done")
+    finally:
+        p.join(60)
