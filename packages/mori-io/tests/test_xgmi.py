@@ -455,6 +455,7 @@ def test_io_engines_route_gpu_memory_through_xgmi(
         ea.create_backend(BackendType.XGMI, XgmiBackendConfig(num_streams=4, num_events=4))
         eb.create_backend(BackendType.XGMI)
         ba, bb = ea._backends[BackendType.XGMI], eb._backends[BackendType.XGMI]
+        assert isinstance(ba, XgmiBackend) and isinstance(bb, XgmiBackend)
         pa, pb = gpu_alloc(ba.runtime, 2 * MiB), gpu_alloc(bb.runtime, 2 * MiB)
         da = ea.register_memory(pa, MiB, 0, MemoryLocationType.GPU)
         db = eb.register_memory(pb + 8192, MiB, 1, MemoryLocationType.GPU)
