@@ -235,6 +235,14 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     spec = {k: getattr(args, k) for k in _SPEC_KEYS}
     spec["baseline"] = not args.no_baseline
+    spec["baseline_skipped"] = "--no-baseline" if args.no_baseline else ""
+    if args.device == "cuda" and spec["baseline"]:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if 0 < gpus < args.ranks:  # NCCL refuses two ranks of one communicator on one GPU
+            spec["baseline"] = False
+            spec["baseline_skipped"] = f"NCCL needs one GPU per rank; {args.ranks} ranks share {gpus} GPUs"
     spec["port"] = _free_port()
     results = _launch(spec, args.timeout)
     rows = _rows(spec, results)
@@ -475,8 +483,13 @@ def _rank_main(rank: int, nranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     cuda = spec["device"] == "cuda"
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     init = f"tcp://127.0.0.1:{spec['port']}"
-    if cuda:
-        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=nranks, device_id=dev)
+    if cuda and spec["baseline"]:
+        # NCCL for the baseline's GPU tensors, gloo for the timer's host-side agreement
+        dist.init_process_group(
+            "cpu:gloo,cuda:nccl", init_method=init, rank=rank, world_size=nranks, device_id=dev
+        )
+    elif cuda:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=nranks)
     else:
         # ranks share the cores: one share each, so torch's thread pools do not oversubscribe them
         torch.set_num_threads(_cpu_threads(nranks))
@@ -502,7 +515,7 @@ class _Timer:
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.dev)
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)  # on gloo, also on GPUs
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
@@ -887,6 +900,8 @@ def _report(spec: dict[str, Any], results: list[dict[str, Any]], rows: list[dict
                 f"  {r['tokens']} tokens {r['dispatch_dtype']}: {_fmt_lat(c['latency_us'])} us, "
                 f"{_fmt_gbps(c['gbps_deepep'])} GB/s DeepEP ({c['timing']})"
             )
+    if spec["baseline_skipped"]:
+        print(f"baseline not run: {spec['baseline_skipped']}")
     verified = all(r["verified"] for r in rows)
     base_ok = all(r["baseline"]["verified"] for r in rows if "baseline" in r)
     print(
