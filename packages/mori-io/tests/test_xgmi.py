@@ -90,6 +90,31 @@ def test_merge_blocks_joins_only_what_continues_on_both_sides() -> None:
         merge_blocks([1], [2, 3], [4])
 
 
+@pytest.mark.parametrize("numpy", [True, False])
+def test_plan_merges_like_merge_blocks(numpy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not numpy:
+        monkeypatch.setattr(xgmi, "_np", None)  # the pure-Python path
+    rng = random.Random(5)
+    for n in (0, 1, 3, 4, 64, 300):
+        sizes = [rng.choice([0, 8, 64, 4096]) for _ in range(n)]
+        doff, soff, d, s = [], [], 0, 0
+        for size in sizes:  # runs of contiguous blocks broken by gaps on one side or both
+            doff.append(d)
+            soff.append(s)
+            d += size + rng.choice([0, 0, 8])
+            s += size + rng.choice([0, 0, 16])
+        p = xgmi.plan(1 << 20, doff, 1 << 30, soff, sizes)
+        expected = merge_blocks([(1 << 20) + o for o in doff], [(1 << 30) + o for o in soff], sizes)
+        assert p.blocks() == expected
+        assert len(p) == len(expected)
+        if expected:
+            assert p.word() == word_bytes(expected)
+            small, large = p.split(64)
+            assert small.blocks() == [b for b in expected if b.size <= 64]
+            assert large.blocks() == [b for b in expected if b.size > 64]
+            assert p.largest() == max(b.size for b in expected)
+
+
 def test_word_bytes_is_the_widest_common_alignment() -> None:
     assert word_bytes([Block(64, 128, 4096)]) == 8
     assert word_bytes([Block(64, 128, 4096), Block(4, 8, 16)]) == 4

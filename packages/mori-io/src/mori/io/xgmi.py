@@ -51,17 +51,24 @@ from typing import TYPE_CHECKING, Any
 from mori.core.env import EnvVar
 from mori.core.errors import MoriBackendError, MoriTimeoutError, MoriValueError
 
+try:  # numpy makes planning a batch of thousands of blocks take microseconds; it is optional
+    import numpy as _np
+except ImportError:  # pragma: no cover - numpy comes with torch wheels
+    _np = None  # type: ignore[assignment]
+
 if TYPE_CHECKING:
     from mori.core.gpu.runtime import GpuRuntime
     from mori.io import EngineDesc, MemoryDesc, TransferStatus
 
 __all__ = [
     "MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD",
+    "Plan",
     "SG_MAX_BLOCK",
     "XgmiBackend",
     "create_backend",
     "find_gpu_runtime",
     "merge_blocks",
+    "plan",
 ]
 
 #: blocks larger than this never go through the scatter-gather kernel (copy engines do them better)
@@ -133,6 +140,82 @@ def word_bytes(blocks: Sequence[Block]) -> int:
     return 1
 
 
+class Plan:
+    """The copies of one transfer as parallel int64 sequences ``dst``, ``src``, ``size`` (numpy
+    arrays when numpy is installed, else lists), contiguous blocks already merged."""
+
+    __slots__ = ("dst", "size", "src")
+
+    def __init__(self, dst: Any, src: Any, size: Any) -> None:
+        self.dst, self.src, self.size = dst, src, size
+
+    def __len__(self) -> int:
+        return len(self.size)
+
+    def blocks(self) -> list[Block]:
+        return [Block(int(d), int(s), int(n)) for d, s, n in zip(self.dst, self.src, self.size, strict=True)]
+
+    def split(self, limit: int) -> tuple[Plan, Plan]:
+        """(blocks of at most ``limit`` bytes, the larger ones)."""
+        if not isinstance(self.size, list):  # numpy arrays
+            small = self.size <= limit
+            large = ~small
+            return (
+                Plan(self.dst[small], self.src[small], self.size[small]),
+                Plan(self.dst[large], self.src[large], self.size[large]),
+            )
+        parts: tuple[list[int], ...] = ([], [], [], [], [], [])
+        for d, s, n in zip(self.dst, self.src, self.size, strict=True):
+            k = 0 if n <= limit else 3
+            parts[k].append(d)
+            parts[k + 1].append(s)
+            parts[k + 2].append(n)
+        return Plan(*parts[:3]), Plan(*parts[3:])
+
+    def word(self) -> int:
+        """:func:`word_bytes` of the blocks."""
+        if not isinstance(self.size, list) and len(self):
+            acc = int(_np.bitwise_or.reduce(self.dst | self.src | self.size))
+        else:
+            acc = 0
+            for d, s, n in zip(self.dst, self.src, self.size, strict=True):
+                acc |= d | s | n
+        for w in (8, 4, 2):
+            if acc % w == 0:
+                return w
+        return 1
+
+    def largest(self) -> int:
+        return int(max(self.size)) if len(self) else 0
+
+
+def plan(
+    dst_base: int, dst_offsets: Sequence[int], src_base: int, src_offsets: Sequence[int], sizes: Sequence[int]
+) -> Plan:
+    """The copies of one transfer: addresses are base + offset; adjacent blocks that continue each
+    other on both sides are merged (as :func:`merge_blocks`); zero-sized blocks are dropped."""
+    if _np is None or len(sizes) < 4:
+        bl = merge_blocks([dst_base + o for o in dst_offsets], [src_base + o for o in src_offsets], sizes)
+        return Plan([b.dst for b in bl], [b.src for b in bl], [b.size for b in bl])
+    d = _np.asarray(dst_offsets, dtype=_np.int64) + dst_base
+    s = _np.asarray(src_offsets, dtype=_np.int64) + src_base
+    n = _np.asarray(sizes, dtype=_np.int64)
+    if not (len(d) == len(s) == len(n)):
+        raise ValueError("dst_offsets, src_offsets and sizes differ in length")
+    if not n.all():
+        keep = n != 0
+        d, s, n = d[keep], s[keep], n[keep]
+    if len(n) > 1:
+        ends_d, ends_s = d[:-1] + n[:-1], s[:-1] + n[:-1]
+        cont = (ends_d == d[1:]) & (ends_s == s[1:])
+        if cont.any():
+            start = _np.concatenate(([True], ~cont))
+            idx = _np.flatnonzero(start)
+            n = _np.add.reduceat(n, idx)
+            d, s = d[idx], s[idx]
+    return Plan(d, s, n)
+
+
 def find_gpu_runtime() -> GpuRuntime:
     """The usable GPU device runtime of the installed device plugins (``cuda`` from
     mori-backend-nvlink, ``hip`` from mori-backend-xgmi); raises :class:`MoriBackendError` saying
@@ -181,13 +264,19 @@ class _Table:
         self.device = drv.host_device_pointer(self.host)
         self.words = (ctypes.c_int64 * (3 * entries)).from_address(self.host)
 
-    def fill(self, blocks: Sequence[Block], word: int) -> None:
-        """Row 0 destinations, row 1 sources, row 2 sizes in words; rows are ``len(blocks)`` long."""
-        n = len(blocks)
+    def fill(self, p: Plan, word: int) -> None:
+        """Row 0 destinations, row 1 sources, row 2 sizes in words; rows are ``len(p)`` long."""
+        n = len(p)
+        if not isinstance(p.size, list):  # numpy arrays
+            view = _np.ctypeslib.as_array(self.words)[: 3 * n]
+            view[0:n] = p.dst
+            view[n : 2 * n] = p.src
+            view[2 * n : 3 * n] = p.size // word
+            return
         w = self.words
-        w[0:n] = [b.dst for b in blocks]
-        w[n : 2 * n] = [b.src for b in blocks]
-        w[2 * n : 3 * n] = [b.size // word for b in blocks]
+        w[0:n] = list(p.dst)
+        w[n : 2 * n] = list(p.src)
+        w[2 * n : 3 * n] = [x // word for x in p.size]
 
 
 @dataclass(eq=False)
@@ -394,13 +483,14 @@ class XgmiBackend:
         st = self._device()
         rbase = self._remote_base(remote)
         lbase = local.data
-        laddr = [lbase + o for o in local_offsets]
-        raddr = [rbase + o for o in remote_offsets]
-        blocks = merge_blocks(raddr, laddr, sizes) if op == "write" else merge_blocks(laddr, raddr, sizes)
+        if op == "write":
+            copies = plan(rbase, remote_offsets, lbase, local_offsets, sizes)
+        else:
+            copies = plan(lbase, local_offsets, rbase, remote_offsets, sizes)
         status = TransferStatus()
         what = f"XGMI {op} uid {uid} ({len(sizes)} blocks) with engine {remote.engine_key!r}"
         try:
-            events, table = self._enqueue(st, blocks)
+            events, table = self._enqueue(st, copies)
         except Exception as e:  # a driver call failed: the transfer fails, the backend stays
             status._complete(_ERR_GPU_OP, f"{what}: {e}")
             return status
@@ -412,12 +502,15 @@ class XgmiBackend:
         self._queue.put(pending)
         return status
 
-    def _enqueue(self, st: Any, blocks: list[Block]) -> tuple[list[int], _Table | None]:
-        """Queue the copies of ``blocks``; return the events recorded after them and the table used."""
+    def _enqueue(self, st: Any, copies: Plan) -> tuple[list[int], _Table | None]:
+        """Queue ``copies``; return the events recorded after them and the table used."""
         drv = st.drv
-        small = [b for b in blocks if b.size <= SG_MAX_BLOCK]
-        use_kernel = self.threshold > 0 and len(small) >= self.threshold
-        copies = [b for b in blocks if b.size > SG_MAX_BLOCK] if use_kernel else blocks
+        use_kernel = self.threshold > 0 and len(copies) >= self.threshold
+        if use_kernel:
+            small, large = copies.split(SG_MAX_BLOCK)
+            use_kernel = len(small) >= self.threshold
+        if not use_kernel:
+            small, large = Plan([], [], []), copies
         used: list[int] = []
         table = None
         with st.lock, st.active():
@@ -431,17 +524,16 @@ class XgmiBackend:
                 return s
 
             if use_kernel:
-                word = word_bytes(small)
+                word = small.word()
                 table = self._table(drv, len(small))
                 table.fill(small, word)
-                largest = max(b.size for b in small)
-                split = max(1, min(SG_MAX_SPLIT, largest // SG_BYTES_PER_PROGRAM))
+                split = max(1, min(SG_MAX_SPLIT, small.largest() // SG_BYTES_PER_PROGRAM))
                 self._launch_kernel(stream(), table, len(small), split, word)
                 self.counters["kernel_launches"] += 1
                 self.counters["kernel_blocks"] += len(small)
-            for b in copies:
-                drv.memcpy_async(b.dst, b.src, b.size, stream())
-            self.counters["copies"] += len(copies)
+            for d, s, n in zip(large.dst, large.src, large.size, strict=True):
+                drv.memcpy_async(int(d), int(s), int(n), stream())
+            self.counters["copies"] += len(large)
             if not used:  # nothing to copy (all sizes 0): still complete after the current stream
                 stream()
             events = []
