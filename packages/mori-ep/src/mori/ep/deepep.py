@@ -130,7 +130,7 @@ class EventHandle:
     def __init__(self, device: torch.device | None = None) -> None:
         self.event: Any = None
         if device is not None and device.type == "cuda":
-            self.event = torch.cuda.Event()
+            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self.event.record()
 
     def current_stream_wait(self) -> None:
@@ -177,7 +177,7 @@ class EventOverlap:
 def _int(func: str, name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise bad_value(func, name, value, f"an int >= {minimum}")
-    return value
+    return int(value)
 
 
 class Config:
@@ -544,7 +544,8 @@ class Buffer:
     @staticmethod
     def capture() -> EventOverlap:
         """An event on the current stream (complete at once on the CPU runtime)."""
-        dev = torch.device("cuda") if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        live = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        dev = torch.device("cuda") if live else None
         return EventOverlap(EventHandle(dev))
 
     @staticmethod
@@ -679,10 +680,10 @@ class Buffer:
         return t
 
     def _num_experts(self, func: str, name: str, num_experts: Any) -> int:
-        _int(func, name, num_experts, 1)
-        if num_experts % self.group_size:
-            raise bad_value(func, name, num_experts, f"a multiple of the number of ranks, {self.group_size}")
-        return num_experts
+        n = _int(func, name, num_experts, 1)
+        if n % self.group_size:
+            raise bad_value(func, name, n, f"a multiple of the number of ranks, {self.group_size}")
+        return n
 
     def _layout(self, topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
         """(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank bool [N, R])."""
