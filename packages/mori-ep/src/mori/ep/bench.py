@@ -869,7 +869,7 @@ def _report(spec: dict[str, Any], results: list[dict[str, Any]], rows: list[dict
                 "GB/s orig",
                 "GB/s DeepEP",
                 f"{base_name} a2a us [p10-p90]",
-                "a2a/ours",
+                "ours/a2a",
             ],
             table,
         )
@@ -886,8 +886,8 @@ def _report(spec: dict[str, Any], results: list[dict[str, Any]], rows: list[dict
     print("timing (ours): " + "; ".join(modes))
     if rows and "baseline" in rows[0]:
         print(
-            f"baseline: torch.distributed.all_to_all_single on {base_name}; a2a/ours = baseline median / "
-            "our median (> 1: we are faster)"
+            f"baseline: torch.distributed.all_to_all_single on {base_name}; ours/a2a = our GB/s / the "
+            "baseline's = baseline median time / our median time (> 1: we are faster)"
         )
         b_modes = sorted({f"{r['phase']}: {r['baseline']['timing']}" for r in rows})
         print("timing (baseline): " + "; ".join(b_modes))
