@@ -11,7 +11,9 @@ same run on the same inputs, the dispatch/combine a user would write without MOR
 * **baseline combine** (:func:`a2a_combine`): the reverse ``all_to_all_single`` of the expert
   outputs, then an fp32 ``index_add_`` over each token's destination ranks at the source.
 
-NCCL on GPUs (``--device cuda``), gloo on CPU ranks (``--device cpu``).
+NCCL on GPUs (``--device cuda``), gloo on CPU ranks (``--device cpu``). Both combines move the token
+rows only (MORI's is called with ``weights=None``). ``--sms`` is the ``block_num`` given to MORI's
+dispatch and combine; NCCL keeps its own defaults (``NCCL_MAX_CTAS`` and the like apply).
 
 Shapes: hidden 7168, top-8 of 256 experts, ``--tokens`` per rank (GPU default 4096 for throughput
 and 128 for latency; CPU default smaller). Routing: every token picks ``--topk`` distinct experts
