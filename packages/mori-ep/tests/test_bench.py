@@ -96,6 +96,22 @@ def test_rows_from_known_routing_and_times() -> None:
     assert disp["original_ll_scale"] == pytest.approx([4 * 2 / 3, 4 * 2 / 5])
 
 
+def test_plot_is_drawn_or_skipped_with_a_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = {"hidden": 256, "topk": 2, "sms": [-1], "warps": -1, "kernel_type": "IntraNode", "ranks": 2}
+    spec["device"] = "cpu"
+    times = {"dispatch": [1e-6, 2e-6], "combine": [3e-6, 3e-6]}
+    results = [{"cases": [_fake_case(r, "bf16", times, times)]} for r in range(2)]
+    path = tmp_path / "ep.png"
+    bench._plot(path, bench._rows(spec, results), {"ranks": 2, "device_name": "t", "hidden": 256})
+    out = capsys.readouterr().out
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib not installed: no plot" in out and not path.exists()
+    else:
+        assert path.stat().st_size > 0 and f"wrote {path}" in out
+
+
 def test_fp8_quantisation_round_trip() -> None:
     x = (torch.randn(5, 256) * 3).to(torch.bfloat16)
     q, s = bench.quantise_fp8(x)
