@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from mori.core.errors import MoriBackendError
-from mori.io import BackendType, IOEngine, IOEngineConfig, MemoryDesc, StatusCode, TcpBackendConfig, TransferStatus
+from mori.io import (
+    BackendType,
+    IOEngine,
+    IOEngineConfig,
+    MemoryDesc,
+    StatusCode,
+    TcpBackendConfig,
+    TransferStatus,
+)
 
 HEADER = struct.Struct("<IHHIiQQQIIQII")  # csrc/protocol.hpp Header, 64 bytes
 MAGIC = 0x4F49524D
@@ -283,7 +291,9 @@ def _closed_by_peer(s: socket.socket) -> bool:
     [
         b"GET / HTTP/1.1\r\n\r\n" + b"x" * 64,
         HEADER.pack(MAGIC, 1, 1, 0, 0, 0, 0, 0, 0, 1 << 30, 0, 0, 0),  # HELLO claiming a 1 GiB body
-        HEADER.pack(MAGIC, 1, 3, 0, 0, 1, 0, 1, 1, 24, 8, 1, 0) + struct.pack("<QQQ", 0, 8, 0) + b"x" * 8,  # no HELLO
+        HEADER.pack(MAGIC, 1, 3, 0, 0, 1, 0, 1, 1, 24, 8, 1, 0)
+        + struct.pack("<QQQ", 0, 8, 0)
+        + b"x" * 8,  # no HELLO
     ],
     ids=["http", "oversized-hello", "write-without-hello"],
 )
@@ -305,7 +315,10 @@ def test_malformed_request_after_hello_closes_only_that_connection(pair) -> None
         s.recv(ack[9], socket.MSG_WAITALL)
         assert ack[2] == 2 and ack[4] == 0
         # a write whose segments claim more bytes than its payload carries
-        s.sendall(HEADER.pack(MAGIC, 1, 3, 0, 0, 1, 0, pair.dst_desc.id, 1, 24, 4, 1, 0) + struct.pack("<QQQ", 0, 8, 0))
+        s.sendall(
+            HEADER.pack(MAGIC, 1, 3, 0, 0, 1, 0, pair.dst_desc.id, 1, 24, 4, 1, 0)
+            + struct.pack("<QQQ", 0, 8, 0)
+        )
         assert _closed_by_peer(s)
     assert int(pair.dst.count_nonzero()) == 0
     assert _done(pair.a.write(pair.src_desc, 0, pair.dst_desc, 0, 4096, 1)).Succeeded()

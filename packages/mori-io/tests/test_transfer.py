@@ -20,13 +20,13 @@ def _blocks(n: int, size: int, total: int, seed: int) -> list[Block]:
     assert slots >= n
     rng = random.Random(seed)
     lslots, rslots = rng.sample(range(slots), n), rng.sample(range(slots), n)
-    return [(ls * size * 2, rs * size * 2, size) for ls, rs in zip(lslots, rslots)]
+    return [(ls * size * 2, rs * size * 2, size) for ls, rs in zip(lslots, rslots, strict=True)]
 
 
 def _transfer(pair, op: str, mode: str, blocks: list[Block], uid: int) -> list[tuple[TransferStatus, int]]:
     """Post the blocks in the given mode; returns (status, uid) pairs."""
     a = pair.a
-    loffs, roffs, sizes = (list(x) for x in zip(*blocks))
+    loffs, roffs, sizes = (list(x) for x in zip(*blocks, strict=True))
     if mode == "single":
         assert len(blocks) == 1
         return [(getattr(a, op)(pair.src_desc, loffs[0], pair.dst_desc, roffs[0], sizes[0], uid), uid)]
@@ -44,7 +44,7 @@ def _transfer(pair, op: str, mode: str, blocks: list[Block], uid: int) -> list[t
             uids,
         )
         assert len(statuses) == len(groups)
-        return list(zip(statuses, uids))
+        return list(zip(statuses, uids, strict=True))
     sess = a.create_session(pair.src_desc, pair.dst_desc)
     assert sess is not None and sess.alive()
     if mode == "session":
@@ -138,7 +138,9 @@ def test_sub_range_registration(make) -> None:
     st.Wait()
     assert st.Succeeded(), st.Message()
     assert torch.equal(big_b[65536 + 17 : 65536 + 17 + 4096], big_a[4096:8192])
-    assert int(big_b[: 65536 + 17].count_nonzero()) == 0 and int(big_b[65536 + 17 + 4096 :].count_nonzero()) == 0
+    assert (
+        int(big_b[: 65536 + 17].count_nonzero()) == 0 and int(big_b[65536 + 17 + 4096 :].count_nonzero()) == 0
+    )
     # the region ends where it was told to, not where the allocation does
     st = a.write(la, 0, lb, 1, 4096, 2)
     st.Wait()

@@ -58,7 +58,13 @@ def _peer(rank: int, nranks: int, d: str, cma: bool) -> dict[str, int]:
             big = torch.zeros(4 << 20, dtype=torch.uint8)
             view = big[SUB_OFFSET : SUB_OFFSET + SUB_SIZE]
             descs = [e.register_torch_tensor(t) for t in (readable, writable, view)]
-            _put(d_, "target", b"|".join([e.get_engine_desc().pack().hex().encode()] + [m.pack().hex().encode() for m in descs]))
+            _put(
+                d_,
+                "target",
+                b"|".join(
+                    [e.get_engine_desc().pack().hex().encode()] + [m.pack().hex().encode() for m in descs]
+                ),
+            )
             uids = [int(u) for u in _get(d_, "done", 120).decode().split(",")]
             statuses = {u: e.pop_inbound_transfer_status("rank1", u) for u in uids}
             missing = [u for u, s in statuses.items() if s is None or not s.Succeeded()]
@@ -71,7 +77,10 @@ def _peer(rank: int, nranks: int, d: str, cma: bool) -> dict[str, int]:
             assert torch.equal(writable, expect), "written bytes differ"
             sub = _pattern(3, SUB_SIZE)
             assert torch.equal(view, sub), "sub-range bytes differ"
-            assert int(big[:SUB_OFFSET].count_nonzero()) == 0 and int(big[SUB_OFFSET + SUB_SIZE :].count_nonzero()) == 0
+            assert (
+                int(big[:SUB_OFFSET].count_nonzero()) == 0
+                and int(big[SUB_OFFSET + SUB_SIZE :].count_nonzero()) == 0
+            )
             return e._counters()
         parts = _get(d_, "target").split(b"|")
         desc = EngineDesc.unpack(bytes.fromhex(parts[0].decode()))
@@ -85,7 +94,7 @@ def _peer(rank: int, nranks: int, d: str, cma: bool) -> dict[str, int]:
         remote_pattern = _pattern(1, REGION)
         for i, (size, count) in enumerate(CASES):
             blocks = _layout(size, count)
-            lo, ro, sz = (list(x) for x in zip(*blocks))
+            lo, ro, sz = (list(x) for x in zip(*blocks, strict=True))
             # alternate API shapes: engine batch, session batch, session single, engine single
             for op, local, remote in (("write", ms, writable), ("read", md, readable)):
                 uid = e.allocate_transfer_uid()
@@ -114,7 +123,10 @@ def _peer(rank: int, nranks: int, d: str, cma: bool) -> dict[str, int]:
         over.Wait()
         assert over.Failed(), "a write past the end of the sub-range succeeded"
         _put(d_, "done", ",".join(map(str, uids)).encode())
-        return {"route_cma": int(e._route_name(ms, writable) == "tcp+cma"), "failovers": e._counters()["failovers"]}
+        return {
+            "route_cma": int(e._route_name(ms, writable) == "tcp+cma"),
+            "failovers": e._counters()["failovers"],
+        }
 
 
 @pytest.mark.parametrize("cma", [False, True], ids=["socket", "cma"])
@@ -180,7 +192,7 @@ def test_peer_that_dies_or_hangs_fails_transfers_within_the_timeout(victim, make
         assert s.WaitFor(20_000), "a transfer to a dead peer hangs"
     elapsed = time.monotonic() - t0
     failed = [s for s in [*inflight, after] if s.Failed()]
-    assert after in failed or how == "killed" and after.Succeeded() is False
+    assert after in failed or (how == "killed" and after.Succeeded() is False)
     for s in failed:
         assert s.Code() == StatusCode.ERR_BAD_STATE and "victim" in s.Message(), s.Message()
     if how == "stopped":

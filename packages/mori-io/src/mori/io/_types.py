@@ -151,7 +151,7 @@ def _unpack_fields(cls: type, data: Any) -> dict[str, Any]:
     names = [f.name for f in fields(cls)]
     if not isinstance(values, list) or len(values) != len(names):
         raise MoriValueError(f"{name}.unpack: data is not a packed {name} (expected {len(names)} fields)")
-    out = dict(zip(names, values))
+    out = dict(zip(names, values, strict=True))
     for f in fields(cls):
         expected = {"str": str, "int": int, "bytes": bytes}[str(f.type)]
         v = out[f.name]

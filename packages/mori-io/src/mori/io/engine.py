@@ -90,7 +90,15 @@ class _TcpBackend:
         cpu = remote.loc == MemoryLocationType.CPU
         if len(sizes) == 1:
             return self._native.post1(
-                op, local.id, remote.engine_key, remote.id, local_offsets[0], remote_offsets[0], sizes[0], uid, cpu
+                op,
+                local.id,
+                remote.engine_key,
+                remote.id,
+                local_offsets[0],
+                remote_offsets[0],
+                sizes[0],
+                uid,
+                cpu,
             )
         return self._native.post(
             op, local.id, remote.engine_key, remote.id, local_offsets, remote_offsets, sizes, uid, cpu
@@ -166,7 +174,9 @@ class IOEngine:
         if not isinstance(type, BackendType):
             raise bad_type("create_backend", "type", type, "BackendType")
         if type in self._backends:
-            raise MoriStateError(f"create_backend: a {type.name} backend already exists on engine {self.key!r}")
+            raise MoriStateError(
+                f"create_backend: a {type.name} backend already exists on engine {self.key!r}"
+            )
         if type in (BackendType.RDMA, BackendType.FABRIC):
             raise MoriBackendError(
                 f"create_backend: the {type.name} backend is not available: this build of mori-io has no "
@@ -253,7 +263,9 @@ class IOEngine:
         _check_int("register_memory", "size", size, 1)
         _check_int("register_memory", "device_id", device_id, -1)
         if not isinstance(mem_loc, MemoryLocationType) or mem_loc == MemoryLocationType.Unknown:
-            raise bad_value("register_memory", "mem_loc", mem_loc, "MemoryLocationType.CPU or MemoryLocationType.GPU")
+            raise bad_value(
+                "register_memory", "mem_loc", mem_loc, "MemoryLocationType.CPU or MemoryLocationType.GPU"
+            )
         mid = self._native.register_memory(ptr, size, int(mem_loc), device_id)
         desc = MemoryDesc(self.key, mid, device_id, "", ptr, size, int(mem_loc), -1, b"")
         for b in list(self._backends.values()):
@@ -272,7 +284,9 @@ class IOEngine:
             raise bad_value("register_torch_tensor", "tensor", "non-contiguous tensor", "a contiguous tensor")
         size = tensor.numel() * tensor.element_size()
         if size == 0:
-            raise bad_value("register_torch_tensor", "tensor", "empty tensor", "a tensor with at least one byte")
+            raise bad_value(
+                "register_torch_tensor", "tensor", "empty tensor", "a tensor with at least one byte"
+            )
         if tensor.device.type == "cpu":
             return self.register_memory(tensor.data_ptr(), size, -1, MemoryLocationType.CPU)
         return self.register_memory(tensor.data_ptr(), size, tensor.device.index or 0, MemoryLocationType.GPU)
@@ -284,7 +298,9 @@ class IOEngine:
         After it returns no peer can reach the memory, so it may be freed."""
         _check_desc("deregister_memory", "desc", desc, MemoryDesc)
         if desc.engine_key != self.key:
-            raise bad_value("deregister_memory", "desc.engine_key", desc.engine_key, f"this engine's key {self.key!r}")
+            raise bad_value(
+                "deregister_memory", "desc.engine_key", desc.engine_key, f"this engine's key {self.key!r}"
+            )
         with self._lock:
             known = self._local.pop(desc.id, None)
             self._routes = {k: v for k, v in self._routes.items() if k[0] != desc.id}
@@ -305,7 +321,13 @@ class IOEngine:
         return next(self._uids)
 
     def read(
-        self, local_desc: MemoryDesc, local_offset: int, remote_desc: MemoryDesc, remote_offset: int, size: int, uid: int
+        self,
+        local_desc: MemoryDesc,
+        local_offset: int,
+        remote_desc: MemoryDesc,
+        remote_offset: int,
+        size: int,
+        uid: int,
     ) -> TransferStatus:
         """Copy ``size`` bytes from ``remote_desc`` at ``remote_offset`` into ``local_desc`` at
         ``local_offset``. Returns at once; out-of-range offsets give ``Failed()`` with
@@ -313,7 +335,13 @@ class IOEngine:
         return self._post("read", local_desc, [local_offset], remote_desc, [remote_offset], [size], uid)
 
     def write(
-        self, local_desc: MemoryDesc, local_offset: int, remote_desc: MemoryDesc, remote_offset: int, size: int, uid: int
+        self,
+        local_desc: MemoryDesc,
+        local_offset: int,
+        remote_desc: MemoryDesc,
+        remote_offset: int,
+        size: int,
+        uid: int,
     ) -> TransferStatus:
         """Copy ``size`` bytes from ``local_desc`` at ``local_offset`` into ``remote_desc`` at
         ``remote_offset``; like :meth:`read` otherwise."""
@@ -330,7 +358,9 @@ class IOEngine:
     ) -> list[TransferStatus]:
         """For each descriptor pair ``i``, read the blocks ``(local_offsets[i][j],
         remote_offsets[i][j], sizes[i][j])`` as one transfer ``uids[i]``; one status per pair."""
-        return self._batch("batch_read", "read", local_descs, local_offsets, remote_descs, remote_offsets, sizes, uids)
+        return self._batch(
+            "batch_read", "read", local_descs, local_offsets, remote_descs, remote_offsets, sizes, uids
+        )
 
     def batch_write(
         self,
@@ -400,7 +430,9 @@ class IOEngine:
         return self._desc.key
 
     def __repr__(self) -> str:
-        return f"IOEngine({self.key!r}, {self._desc.host}:{self._desc.port}, backends=[{self._backend_names()}])"
+        return (
+            f"IOEngine({self.key!r}, {self._desc.host}:{self._desc.port}, backends=[{self._backend_names()}])"
+        )
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -447,7 +479,7 @@ class IOEngine:
                 f"{len(loffs)} local offsets, {len(roffs)} remote offsets, {len(sizes)} sizes",
                 "lists of equal length",
             )
-        for i, (lo, ro, sz) in enumerate(zip(loffs, roffs, sizes)):
+        for i, (lo, ro, sz) in enumerate(zip(loffs, roffs, sizes, strict=True)):
             _check_int(func, f"local_offsets[{i}]", lo)
             _check_int(func, f"remote_offsets[{i}]", ro)
             _check_int(func, f"sizes[{i}]", sz)
@@ -462,7 +494,9 @@ class IOEngine:
                     f"{func}: remote offset {ro} + size {sz} is outside the remote region ({remote.size} bytes)",
                 )
         if local.engine_key != self.key or local.id not in self._local:
-            return _failed(StatusCode.ERR_INVALID_ARGS, f"{func}: local_desc is not registered on engine {self.key!r}")
+            return _failed(
+                StatusCode.ERR_INVALID_ARGS, f"{func}: local_desc is not registered on engine {self.key!r}"
+            )
         if remote.engine_key not in self._remotes:
             return _failed(
                 StatusCode.ERR_NOT_FOUND,
@@ -513,7 +547,9 @@ class IOEngine:
                 st: TransferStatus = backend.post(op, local, loffs, remote, roffs, sizes, uid)
                 return st
             except MoriBackendError as e:  # failover: drop the route, try the next backend
-                _log.warning("%s: backend %s failed (%s); trying the next one", func, type(backend).__name__, e)
+                _log.warning(
+                    "%s: backend %s failed (%s); trying the next one", func, type(backend).__name__, e
+                )
                 last = e
                 with self._lock:
                     self._routes.pop((local.id, remote.engine_key, remote.id), None)
@@ -558,7 +594,9 @@ class IOEngine:
         """How bytes between this pair move now ("tcp", "tcp+cma", or a Python backend's class)."""
         backend = self._route(local, remote)
         if isinstance(backend, _TcpBackend):
-            return str(self._native.route_of(remote.engine_key, local.id, remote.loc == MemoryLocationType.CPU))
+            return str(
+                self._native.route_of(remote.engine_key, local.id, remote.loc == MemoryLocationType.CPU)
+            )
         return type(backend).__name__ if backend is not None else ""
 
     def _counters(self) -> dict[str, int]:
@@ -580,18 +618,29 @@ class IOEngineSession:
 
     def read(self, local_offset: int, remote_offset: int, size: int, uid: int) -> TransferStatus:
         """Remote → local, one block."""
-        return self._engine._post("read", self._local, [local_offset], self._remote, [remote_offset], [size], uid)
+        return self._engine._post(
+            "read", self._local, [local_offset], self._remote, [remote_offset], [size], uid
+        )
 
     def write(self, local_offset: int, remote_offset: int, size: int, uid: int) -> TransferStatus:
         """Local → remote, one block."""
-        return self._engine._post("write", self._local, [local_offset], self._remote, [remote_offset], [size], uid)
+        return self._engine._post(
+            "write", self._local, [local_offset], self._remote, [remote_offset], [size], uid
+        )
 
     def batch_read(
         self, local_offsets: Sequence[int], remote_offsets: Sequence[int], sizes: Sequence[int], uid: int
     ) -> TransferStatus:
         """Remote → local, many blocks as one transfer (contiguous blocks are merged)."""
         return self._engine._post(
-            "read", self._local, list(local_offsets), self._remote, list(remote_offsets), list(sizes), uid, "batch_read"
+            "read",
+            self._local,
+            list(local_offsets),
+            self._remote,
+            list(remote_offsets),
+            list(sizes),
+            uid,
+            "batch_read",
         )
 
     def batch_write(
