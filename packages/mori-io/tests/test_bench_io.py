@@ -1,0 +1,158 @@
+"""``mori bench io``: its figures computed by hand, its options, UCX log parsing, and a tiny real run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from mori.core.cli import build_parser
+from mori.io import bench
+
+
+def test_points_keep_what_fits_the_buffers() -> None:
+    got = bench.points(["write", "read"], [4096, 1 << 20, 4096], [1, 128], 1 << 20)
+    expected = [
+        (op, block, batch)
+        for op in ("write", "read")
+        for block, batch in ((4096, 1), (4096, 128), (1 << 20, 1))
+    ]
+    assert got == expected
+
+
+def test_iterations_by_bytes_clamped() -> None:
+    assert bench.iterations(4096, 0) == bench.MAX_ITERS
+    assert bench.iterations(64 << 20, 0) == bench.MIN_ITERS
+    assert bench.iterations(1 << 20, 0) == bench.BYTES_PER_REP // (1 << 20)
+    assert bench.iterations(1 << 30, 7) == 7
+
+
+def test_summarize_by_hand() -> None:
+    # two reps of 4 iterations of 1 MB: rep 1 takes 1 ms each, rep 2 2 ms each
+    reps = [([1e-3] * 4, [1e-4] * 4), ([2e-3] * 4, [3e-4] * 4)]
+    s = bench.summarize(1_000_000, reps)
+    assert s["gbps_reps"] == pytest.approx([1.0, 0.5])
+    assert s["gbps"] == pytest.approx(0.75)  # median of two reps
+    assert (s["gbps_min"], s["gbps_max"]) == pytest.approx((0.5, 1.0))
+    assert s["avg_lat_us"] == pytest.approx(1500)
+    assert s["p99_lat_us"] == pytest.approx(2000)
+    assert s["avg_post_us"] == pytest.approx(200)
+    assert s["iterations"] == 8
+    with pytest.raises(ValueError):
+        bench.summarize(1, [([], [])])
+
+
+def test_time_transfers_measures_post_and_completion() -> None:
+    posted: list[int] = []
+    waited: list[int] = []
+    lat, post = bench.time_transfers(lambda: posted.append(1) or len(posted), waited.append, 5)
+    assert len(lat) == len(post) == 5 and waited == [1, 2, 3, 4, 5]
+    assert all(p <= lt for p, lt in zip(post, lat, strict=True))
+
+
+def test_ucx_transports_are_read_from_ucx_logs(tmp_path: Path) -> None:
+    line = (
+        "[1796052259.18] [vm:6836 :0] ucp_worker.c:1997 UCX INFO   init intra-node cfg#1 "
+        "rma_am(tcp/lo)  amo_am(tcp/lo)  am(tcp/lo cma/memory)  ka(tcp/lo)"
+    )
+    (tmp_path / "ucx.1.log").write_text(
+        "[x] ucp_worker.c:1 UCX INFO   init self cfg#0 rma_am(tcp/lo)\n" + line + "\n"
+    )
+    (tmp_path / "ucx.2.log").write_text(line.replace("init", "target") + "\n")
+    assert bench.ucx_transports(str(tmp_path)) == [
+        "rma_am(tcp/lo) amo_am(tcp/lo) am(tcp/lo cma/memory) ka(tcp/lo)"
+    ]
+    assert bench.ucx_transports(str(tmp_path / "none")) == []
+
+
+def test_markdown_table_has_every_row_and_the_ratio() -> None:
+    fig = {
+        "gbps": 2.0,
+        "gbps_min": 1.5,
+        "gbps_max": 2.5,
+        "avg_lat_us": 10.0,
+        "p99_lat_us": 20.0,
+        "avg_post_us": 1.0,
+    }
+    rows = [
+        {"op": "write", "block": 4096, "batch": 32, "mori": fig, "nixl": {**fig, "gbps": 1.0}, "ratio": 2.0}
+    ]
+    md = bench.markdown_table(rows, "NIXL", "nixl").splitlines()
+    assert len(md) == 3 and md[0].startswith("| op | block | batch | mori GB/s")
+    assert (
+        md[2]
+        == "| write | 4 KiB | 32 | 2.00 | 1.50-2.50 | 10.0 | 20.0 | 1.0 | 1.00 | 1.50-2.50 | 10.0 | 20.0 | 1.0 | 2.00 |"
+    )
+
+
+def test_the_suite_is_registered_and_parses_its_options() -> None:
+    parser = build_parser()
+    args = parser.parse_args(
+        ["bench", "io", "--blocks", "4K,1M", "--batches", "1,32", "--ops", "read", "--max-bytes", "64M"]
+    )
+    assert (args.blocks, args.batches, args.ops, args.max_bytes) == (
+        [4096, 1 << 20],
+        [1, 32],
+        ["read"],
+        64 << 20,
+    )
+    assert args.func is bench.run
+    for bad in (["--blocks", "4Q"], ["--batches", "0"], ["--ops", "copy"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["bench", "io", *bad])
+
+
+def test_plot_is_skipped_with_a_message_without_matplotlib(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fig = {"gbps": 1.0}
+    rows = [{"op": "write", "block": 4096, "batch": 1, "mori": fig, "nixl": fig}]
+    drew = bench.plot(tmp_path / "p.png", rows, "NIXL", "nixl")
+    if importlib.util.find_spec("matplotlib") is None:
+        assert not drew and "matplotlib not installed" in capsys.readouterr().out
+    else:
+        assert drew and (tmp_path / "p.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nixl", ["off", "on"])
+def test_a_tiny_cpu_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str], nixl: str) -> None:
+    if nixl == "on" and importlib.util.find_spec("nixl") is None:
+        pytest.skip("nixl is not installed (pip install nixl): the baseline is optional")
+    out = tmp_path / "io.json"
+    args = argparse.Namespace(
+        device="cpu",
+        ops=["write", "read"],
+        blocks=[4096, 65536],
+        batches=[1, 4],
+        max_bytes=1 << 20,
+        iters=3,
+        reps=2,
+        mode="session",
+        tcp_cma="on",
+        nixl=nixl,
+        ucx_tls=None,
+        json=str(out),
+        plot=str(tmp_path / "io.png"),
+    )
+    assert bench.run(args) == 0
+    text = capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert record["suite"] == "io" and record["config"]["verified"]["mori"] is True
+    rows = record["rows"]
+    assert [(r["op"], r["block"], r["batch"]) for r in rows] == bench.points(
+        ["write", "read"], [4096, 65536], [1, 4], 1 << 20
+    )
+    for r in rows:
+        assert r["mori"]["iterations"] == 6 and r["mori"]["gbps"] > 0
+        assert r["mori"]["gbps_min"] <= r["mori"]["gbps"] <= r["mori"]["gbps_max"]
+    if nixl == "on":
+        assert record["config"]["verified"]["nixl"] is True
+        assert all(r["ratio"] == pytest.approx(r["mori"]["gbps"] / r["nixl"]["gbps"]) for r in rows)
+        assert record["config"]["ucx_transports"], "UCX's log named no transport"
+    else:
+        assert "NIXL baseline: unavailable (disabled (--nixl off))" in text
+        assert all("nixl" not in r for r in rows)
