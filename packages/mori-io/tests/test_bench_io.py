@@ -48,7 +48,12 @@ def test_summarize_by_hand() -> None:
 def test_time_transfers_measures_post_and_completion() -> None:
     posted: list[int] = []
     waited: list[int] = []
-    lat, post = bench.time_transfers(lambda: posted.append(1) or len(posted), waited.append, 5)
+
+    def post_one() -> int:
+        posted.append(1)
+        return len(posted)
+
+    lat, post = bench.time_transfers(post_one, waited.append, 5)
     assert len(lat) == len(post) == 5 and waited == [1, 2, 3, 4, 5]
     assert all(p <= lt for p, lt in zip(post, lat, strict=True))
 
