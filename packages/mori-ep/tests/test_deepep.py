@@ -161,6 +161,19 @@ def _normal_round(buf: Buffer, seed: int, rank: int, world: int) -> None:
     assert out[1:5] == (None, None, None, None)
     assert torch.equal(_bits(out[0]), _bits(ref2["x"]))
 
+    # no top-k: by is_token_in_rank alone; per-expert counts still from num_tokens_per_expert
+    r_nt, i_nt, w_nt, c_nt, h_nt, _ = buf.dispatch(
+        me["x"], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert
+    )
+    assert i_nt is None and w_nt is None and not h_nt.has_topk and c_nt == per_local
+    assert torch.equal(_bits(r_nt), _bits(ref["x"]))
+    assert torch.equal(h_nt.rank_prefix_matrix, handle.rank_prefix_matrix)
+    got_nt, none_nt, _ = buf.combine(y, h_nt)
+    assert none_nt is None
+    _close(got_nt.float(), me["x"].float() * factor[:, None], rtol=2e-2, atol=2e-2)
+    with pytest.raises(MoriValueError, match=r"topk_weights=.*no top-k"):
+        buf.combine(y, h_nt, topk_weights=recv_w)
+
     # fp8 tokens with scales, worst-case padding, async event
     worst = world * MAX_N
     ref8 = _expected_recv(all_in, rank, "fp8")
@@ -210,7 +223,9 @@ def _normal_errors(buf: Buffer, rank: int, world: int) -> None:
         (dict(good, is_token_in_rank=~in_rank), "is_token_in_rank=.*disagrees"),
         (dict(good, num_tokens_per_rank=per_rank + 1), "num_tokens_per_rank=.*disagrees"),
         (dict(good, num_tokens_per_expert=per_expert[:-1]), "num_tokens_per_expert.shape"),
-        (dict(good, topk_weights=None), "topk_weights=None"),
+        (dict(good, topk_weights=None), "topk_weights=None .*together"),
+        (dict(good, topk_idx=None), "topk_idx=None .*together"),
+        (dict(good, is_token_in_rank=None), "is_token_in_rank=None"),
         (dict(good, num_tokens_per_rdma_rank=per_rank), "num_tokens_per_rdma_rank"),
         (dict(good, expert_alignment=0), "expert_alignment=0"),
         (dict(good, config=Config(20, 6, 256)), None),  # accepted

@@ -51,9 +51,9 @@ Differences from DeepEP that remain (also in ``docs/ep_deepep.md``):
   tuples; DeepEP's channel prefix matrices and ``send_head`` do not exist (rows are not
   split into channels).
 * **topk**: at most 9 experts per token (``MAX_EXPERTS_PER_TOKEN``); ``topk_idx`` int64 or int32
-  (DeepEP: ``topk_idx_t``); a normal non-cached dispatch needs ``topk_idx`` and ``topk_weights``
-  (DeepEP can dispatch by ``is_token_in_rank`` alone); ``is_token_in_rank``, ``num_tokens_per_rank``
-  and ``num_tokens_per_expert`` must be what :meth:`Buffer.get_dispatch_layout` returns for
+  (DeepEP: ``topk_idx_t``); a normal dispatch without ``topk_idx`` (by ``is_token_in_rank``
+  alone) needs at most 9 ranks; ``is_token_in_rank``, ``num_tokens_per_rank`` and
+  ``num_tokens_per_expert`` must be what :meth:`Buffer.get_dispatch_layout` returns for
   ``topk_idx`` (checked).
 * **Undefined rows are defined**: rows past the valid ones (``num_worst_tokens`` padding, packed
   low-latency rows past ``recv_count``) are zeros, ``recv_topk_idx`` -1 as in DeepEP; the
@@ -308,6 +308,8 @@ class DispatchHandle:
         self.num_recv_tokens = int(perm.numel())
         self.num_recv_rows = int(num_recv_rows)
         self.num_tokens = int(indices.shape[0])
+        #: whether the dispatch had topk_idx / topk_weights
+        self.has_topk = True
         self._buffer, self._op, self._routing, self._indices = buffer, op, routing, indices
         self._perm = perm  # recv row i <- operator row perm[i]
         self._inv = torch.argsort(perm)  # operator row r <- recv row inv[r]
@@ -493,15 +495,9 @@ class Buffer:
             )
         self.rank = shmem.shmem_mype()
         self.group_size = shmem.shmem_npes()
-        # small symmetric table to all-gather per-call counts: [parity, rank, N + send counts]
-        self._xchg = shmem.mori_shmem_create_tensor((2, self.group_size, self.group_size + 1), torch.int64)
-        self._xchg.zero_()
-        self._xchg_peers = [
-            self._xchg if p == self.rank else shmem.symm_mori_shmem_tensor(self._xchg, p)
-            for p in range(self.group_size)
-        ]
-        self._xchg_calls = 0
-        self.device = self._xchg.device
+        # small symmetric tables to all-gather per-call counts, by row width (made on first use)
+        self._tables: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[int]]] = {}
+        self.device = self._table(1)[0].device
         self._ops: dict[tuple[Any, ...], EpDispatchCombineOp] = {}
         self._combine_bufs: dict[tuple[int, ...], torch.Tensor] = {}
         self._destroyed = False
@@ -631,17 +627,33 @@ class Buffer:
             raise bad_type(func, "config", config, "a Config or None")
         return config.num_sms
 
+    def _table(self, width: int) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
+        """Symmetric int64 [2, group_size, width], its peers' views and a call counter. The first
+        use of a width allocates it: collective (every rank needs the same widths in the same order)."""
+        entry = self._tables.get(width)
+        if entry is None:
+            t = shmem.mori_shmem_create_tensor((2, self.group_size, width), torch.int64)
+            t.zero_()
+            peers = [
+                t if p == self.rank else shmem.symm_mori_shmem_tensor(t, p) for p in range(self.group_size)
+            ]
+            entry = (t, peers, [0])
+            self._tables[width] = entry
+            shmem.shmem_barrier_all()  # zeroed everywhere before anyone writes
+        return entry
+
     def _allgather(self, row: torch.Tensor) -> torch.Tensor:
-        """All-gather one int64 row [group_size + 1] from every rank -> [group_size, group_size + 1].
+        """All-gather one int64 row from every rank -> [group_size, row.numel()]. Collective.
 
         Two tables alternate: a rank reuses one only after the next call's barrier, which every
         rank reaches after reading it."""
-        par = self._xchg_calls % 2
-        self._xchg_calls += 1
-        for peer in self._xchg_peers:
+        table, peers, calls = self._table(row.numel())
+        par = calls[0] % 2
+        calls[0] += 1
+        for peer in peers:
             peer[par, self.rank] = row
         shmem.shmem_barrier_on_stream()
-        return self._xchg[par].clone()
+        return table[par].clone()
 
     def _op(
         self, kind: str, m: int, hidden: int, elem_bytes: int, e_local: int, k: int, scale_dim: int
@@ -779,8 +791,10 @@ class Buffer:
             num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert:
                 from :meth:`get_dispatch_layout` for ``topk_idx`` (``num_tokens_per_rdma_rank``
                 must be None: one node). Required unless ``handle`` is given.
-            topk_idx: [num_tokens, num_topk] int64/int32 global expert ids, ``-1`` = none.
-            topk_weights: [num_tokens, num_topk] float32.
+            topk_idx: [num_tokens, num_topk] int64/int32 global expert ids, ``-1`` = none; or None
+                (with ``topk_weights`` None) to send by ``is_token_in_rank`` alone (at most 9
+                ranks): ``recv_topk_idx`` and ``recv_topk_weights`` are then None.
+            topk_weights: [num_tokens, num_topk] float32, or None with ``topk_idx``.
             expert_alignment: round each entry of ``num_recv_tokens_per_expert_list`` up to this.
             num_worst_tokens: if > 0, pad the outputs to this many rows (it must be at least the
                 received count) and return an empty ``num_recv_tokens_per_expert_list``.
@@ -793,7 +807,8 @@ class Buffer:
             source rank in rank order, by source token within a rank; ``recv_topk_idx`` [rows,
             num_topk] local expert ids (-1 for other ranks' experts and padding rows);
             ``recv_topk_weights`` [rows, num_topk] float32 (0 where ``recv_topk_idx`` is -1);
-            the list: received tokens per local expert (python ints). A cached dispatch returns
+            the list: received tokens per local expert (python ints; the sum over ranks of
+            ``num_tokens_per_expert`` for this rank's experts, as DeepEP). A cached dispatch returns
             ``(recv_x, None, None, None, None, event)``.
         """
         func = "Buffer.dispatch"
@@ -825,16 +840,14 @@ class Buffer:
             ("num_tokens_per_rank", num_tokens_per_rank),
             ("is_token_in_rank", is_token_in_rank),
             ("num_tokens_per_expert", num_tokens_per_expert),
-            ("topk_idx", topk_idx),
-            ("topk_weights", topk_weights),
         ):
             if v is None:
-                raise bad_value(
-                    func,
-                    name,
-                    None,
-                    "a tensor (from get_dispatch_layout / the router) unless handle is given",
-                )
+                raise bad_value(func, name, None, "a tensor from get_dispatch_layout unless handle is given")
+        if (topk_idx is None) != (topk_weights is None):
+            missing = "topk_weights" if topk_weights is None else "topk_idx"
+            raise bad_value(
+                func, missing, None, "a tensor: give topk_idx and topk_weights together, or neither"
+            )
         w, n = self.group_size, data.shape[0]
         num_tokens_per_expert = _tensor(
             func, "num_tokens_per_expert", num_tokens_per_expert, (torch.int32,), (None,)
@@ -842,34 +855,57 @@ class Buffer:
         num_experts = self._num_experts(
             func, "num_tokens_per_expert.shape[0]", num_tokens_per_expert.shape[0]
         )
-        topk_idx = self._check_topk_idx(func, topk_idx, num_experts, n)
-        k = topk_idx.shape[1]
-        topk_weights = _tensor(func, "topk_weights", topk_weights, (torch.float32,), (n, k))
+        e_local = num_experts // w
         num_tokens_per_rank = _tensor(func, "num_tokens_per_rank", num_tokens_per_rank, (torch.int32,), (w,))
         is_token_in_rank = _tensor(func, "is_token_in_rank", is_token_in_rank, (torch.bool,), (n, w))
-        per_rank, per_expert, in_rank = self._layout(topk_idx, num_experts)
-        for name, got, want in (
-            ("is_token_in_rank", is_token_in_rank, in_rank),
-            ("num_tokens_per_rank", num_tokens_per_rank, per_rank),
-            ("num_tokens_per_expert", num_tokens_per_expert, per_expert),
-        ):
+        if is_token_in_rank.device != self.device:
+            raise bad_value(func, "is_token_in_rank.device", is_token_in_rank.device, f"{self.device}")
+        if topk_idx is not None:
+            topk_idx = self._check_topk_idx(func, topk_idx, num_experts, n)
+            k = topk_idx.shape[1]
+            topk_weights = _tensor(func, "topk_weights", topk_weights, (torch.float32,), (n, k))
+            per_rank, per_expert, in_rank = self._layout(topk_idx, num_experts)
+            checks = [
+                ("is_token_in_rank", is_token_in_rank, in_rank),
+                ("num_tokens_per_rank", num_tokens_per_rank, per_rank),
+                ("num_tokens_per_expert", num_tokens_per_expert, per_expert),
+            ]
+            idx32 = topk_idx.to(torch.int32)
+        else:
+            # no top-k: route by is_token_in_rank alone, one pseudo expert id per destination rank
+            if w > MAX_EXPERTS_PER_TOKEN:
+                raise bad_value(
+                    func, "topk_idx", None, f"a tensor with more than {MAX_EXPERTS_PER_TOKEN} ranks"
+                )
+            k, in_rank = w, is_token_in_rank
+            per_rank = in_rank.sum(0, dtype=torch.int32)
+            checks = [("num_tokens_per_rank", num_tokens_per_rank, per_rank)]
+            first = (torch.arange(w, device=self.device, dtype=torch.int32) * e_local).expand(n, w)
+            idx32 = torch.where(in_rank, first, -1).contiguous()
+        for name, got, want in checks:
             if not torch.equal(got, want):
                 raise bad_value(
-                    func, name, "a tensor that disagrees with topk_idx", "get_dispatch_layout(topk_idx)'s"
+                    func, name, "a tensor that disagrees with the routing", "get_dispatch_layout's"
                 )
         self._events_in(func, previous_event, async_finish, allocate_on_comm_stream)
 
-        # every rank's token count and send counts: the operator's capacity and the prefix matrix
-        row = torch.cat([torch.tensor([n], device=self.device), per_rank.to(torch.int64)])
+        # every rank's token count, send counts and per-expert counts: the operator's capacity, the
+        # prefix matrix and the per-expert receive counts (as DeepEP sums num_tokens_per_expert)
+        row = torch.cat(
+            [
+                torch.tensor([n], device=self.device),
+                per_rank.to(torch.int64),
+                num_tokens_per_expert.to(device=self.device, dtype=torch.int64),
+            ]
+        )
         table = self._allgather(row)
         m = _pow2_at_least(int(table[:, 0].max()))
         hidden, elem = data.shape[1], max(data.element_size(), 2)
-        op = self._op("normal", m, hidden, elem, num_experts // w, k, math.ceil(hidden / FP8_GROUP))
-        idx32 = topk_idx.to(torch.int32)
+        op = self._op("normal", m, hidden, elem, e_local, k, math.ceil(hidden / FP8_GROUP))
         outs = op.dispatch(data, topk_weights, scales, idx32, block_num=blocks, return_routing=True)
         routing: EpDispatchRoutingHandle = outs[5]
         total = routing.num_recv
-        prefix = torch.cumsum(table[:, 1:], dim=0).to(torch.int32)
+        prefix = torch.cumsum(table[:, 1 : 1 + w], dim=0).to(torch.int32)
         if int(prefix[-1, self.rank]) != total:
             raise MoriStateError(
                 f"{func}: rank {self.rank} received {total} rows but the ranks announced "
@@ -885,18 +921,23 @@ class Buffer:
             )
         recv_x = self._gather_rows(outs[0], perm, rows)
         recv_scales = None if scales is None else self._gather_rows(outs[2], perm, rows)
-        glob = outs[3][:total].index_select(0, perm.to(outs[3].device)).to(self.device)
-        local = glob.to(torch.int64) - self.rank * (num_experts // w)
-        mine = (glob >= 0) & (local >= 0) & (local < num_experts // w)
-        recv_idx = torch.full((rows, k), -1, dtype=topk_idx.dtype, device=self.device)
-        recv_idx[:total] = torch.where(mine, local, -1).to(topk_idx.dtype)
-        recv_w = torch.zeros(rows, k, dtype=torch.float32, device=self.device)
-        wts = outs[1][:total].index_select(0, perm.to(outs[1].device)).to(self.device)
-        recv_w[:total] = torch.where(mine, wts, torch.zeros_like(wts))
-        per_local = torch.bincount(local[mine], minlength=num_experts // w)
+        recv_idx: torch.Tensor | None = None
+        recv_w: torch.Tensor | None = None
+        if topk_idx is not None:
+            glob = outs[3][:total].index_select(0, perm.to(outs[3].device)).to(self.device)
+            local = glob.to(torch.int64) - self.rank * e_local
+            mine = (glob >= 0) & (local >= 0) & (local < e_local)
+            recv_idx = torch.full((rows, k), -1, dtype=topk_idx.dtype, device=self.device)
+            recv_idx[:total] = torch.where(mine, local, -1).to(topk_idx.dtype)
+            recv_w = torch.zeros(rows, k, dtype=torch.float32, device=self.device)
+            wts = outs[1][:total].index_select(0, perm.to(outs[1].device)).to(self.device)
+            recv_w[:total] = torch.where(mine, wts, torch.zeros_like(wts))
+        base = 1 + w + self.rank * e_local
+        per_local = table[:, base : base + e_local].sum(0)
         aligned = (per_local + expert_alignment - 1) // expert_alignment * expert_alignment
         counts: list[int] = [] if num_worst_tokens else [int(c) for c in aligned.tolist()]
         h = DispatchHandle(self, op, routing, idx32, perm, prefix, src_tok.to(torch.int32), in_rank, rows)
+        h.has_topk = topk_idx is not None
         out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
         return out_x, recv_idx, recv_w, counts, h, self._event_out(async_finish)
 
@@ -979,6 +1020,8 @@ class Buffer:
                 f"{op.config.max_token_type_size} bytes (the dispatch that made handle)",
             )
         k = op.config.num_experts_per_token
+        if topk_weights is not None and not handle.has_topk:
+            raise bad_value(func, "topk_weights", "a tensor", "None: the dispatch of handle had no top-k")
         if topk_weights is not None:
             topk_weights = _tensor(func, "topk_weights", topk_weights, (torch.float32,), (rows, k))
         biases: tuple[torch.Tensor, ...] = ()
