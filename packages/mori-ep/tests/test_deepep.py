@@ -576,3 +576,50 @@ def test_deepep_names() -> None:
 
     assert {"Buffer", "Config", "EventOverlap"} <= set(deepep.__all__)
     assert deepep.topk_idx_t is torch.int64
+
+
+# -- through the Triton kernels (interpreter) --------------------------------------------------------
+
+
+def _kernels(rank: int, world: int) -> str:
+    """One normal and one low-latency round with the operator on its Triton kernels."""
+    torch.set_num_threads(1)
+    buf = Buffer(None, low_latency_mode=True, impl="triton")
+    all_in = [_inputs(81, s, world, MAX_N) for s in range(world)]
+    me = all_in[rank]
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(me["idx"], world * E_LOCAL)
+    ref = _expected_recv(all_in, rank)
+    few = Config(2, 6, 256)  # two programs: the interpreter runs them one after another
+    recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
+        me["x"],
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=me["idx"],
+        topk_weights=me["w"],
+        config=few,
+    )
+    assert torch.equal(_bits(recv_x), _bits(ref["x"])) and torch.equal(recv_idx, ref["idx"])
+    assert torch.equal(_bits(recv_w), _bits(ref["w"]))
+    combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w, config=few)
+    u = _in_rank(me["idx"], world).sum(1).float()
+    _close(combined.float(), me["x"].float() * u[:, None], rtol=2e-2, atol=2e-2)
+    assert combined_w is not None
+    _close(combined_w, torch.where(me["idx"] >= 0, me["w"], 0.0), rtol=1e-6, atol=1e-6)
+    all_in = [_inputs(80, s, world, LL_M) for s in range(world)]
+    me = all_in[rank]
+    recv_x, count, ll, _, _ = buf.low_latency_dispatch(
+        me["x"], me["idx"], LL_M, world * E_LOCAL, use_fp8=False
+    )
+    _check_packed(recv_x, count, ll, all_in, rank)
+    combined, _, _ = buf.low_latency_combine(_expert_fn(recv_x, rank), me["idx"], me["w"], ll)
+    _close(combined.float(), _expected_combine(me), rtol=2e-2, atol=5e-2)
+    assert buf._ops and all(op._kern is not None for op in buf._ops.values()), "not on the kernels"
+    shmem.shmem_barrier_all()
+    return "ok"
+
+
+def test_through_triton_kernels() -> None:
+    pytest.importorskip("triton")
+    env = {"TRITON_INTERPRET": "1", "MORI_BOOTSTRAP_TIMEOUT": "60"}
+    assert shmem_ranks(_kernels, 2, env=env, timeout=180) == ["ok", "ok"]

@@ -86,7 +86,7 @@ import torch
 import mori.shmem as shmem
 from mori.core.errors import MoriStateError, bad_type, bad_value
 from mori.ep.config import MAX_EXPERTS_PER_TOKEN, EpDispatchCombineConfig, EpDispatchCombineKernelType
-from mori.ep.op import EpDispatchCombineOp, EpDispatchRoutingHandle
+from mori.ep.op import IMPLS, EpDispatchCombineOp, EpDispatchRoutingHandle
 
 __all__ = [
     "Buffer",
@@ -436,6 +436,9 @@ class Buffer:
         enable_shrink: must be False (not supported).
         comm: an mpi4py communicator used to initialise ``mori.shmem`` when ``group`` is None and
             ``mori.shmem`` is not initialised.
+        impl: (MORI only) the operator implementation: ``"auto"`` (Triton kernels on a GPU heap,
+            the host path on the cpu runtime), ``"host"`` or ``"triton"`` (on the cpu runtime only
+            under ``TRITON_INTERPRET=1``).
     """
 
     #: SMs (compute units) the normal-mode kernels use by default (DeepEP's class attribute)
@@ -454,6 +457,8 @@ class Buffer:
         explicitly_destroy: bool = False,
         enable_shrink: bool = False,
         comm: Any = None,
+        *,
+        impl: str = "auto",
     ) -> None:
         func = "Buffer"
         import torch.distributed as dist
@@ -468,6 +473,9 @@ class Buffer:
         _bool(func, "allow_mnnvl", allow_mnnvl)
         _bool(func, "use_fabric", use_fabric)
         self.explicitly_destroy = _bool(func, "explicitly_destroy", explicitly_destroy)
+        if impl not in IMPLS:
+            raise bad_value(func, "impl", impl, f"one of {', '.join(repr(i) for i in IMPLS)}")
+        self._impl = impl
         if enable_shrink is not False:
             raise bad_value(func, "enable_shrink", enable_shrink, "False (shrinking is not supported)")
         self.group = group
@@ -674,7 +682,9 @@ class Buffer:
                 num_experts_per_token=k,
                 kernel_type=EpDispatchCombineKernelType.IntraNode,
             )
-            op = EpDispatchCombineOp(cfg)  # collective: every rank reaches here with the same key
+            op = EpDispatchCombineOp(
+                cfg, impl=self._impl
+            )  # collective: every rank reaches here with the same key
             self._ops[key] = op
         return op
 
