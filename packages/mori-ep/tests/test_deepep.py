@@ -203,7 +203,13 @@ def _normal_round(buf: Buffer, seed: int, rank: int, world: int) -> None:
     u = _in_rank(me["idx"], world).sum(1).float()
     _close(combined_w8.float(), me["x"].float() * u[:, None], rtol=2e-2, atol=2e-2)
     # cached dispatch of the padded handle keeps the padding
-    r2 = buf.dispatch((me["fp8"], me["scales"]), handle=h8)[0]
+    r2 = buf.dispatch(
+        (me["fp8"], me["scales"]),
+        handle=h8,
+        previous_event=ev,
+        async_finish=True,
+        allocate_on_comm_stream=True,
+    )[0]
     assert r2[0].shape == (worst, H) and torch.equal(_bits(r2[0][:total]), _bits(ref8["x"]))
     # a combine of the first handle still works after later dispatches
     again, _, _ = buf.combine(y, handle)
@@ -375,7 +381,14 @@ def _ll(rank: int, world: int, port: int) -> str:
             expect_stats += count
             assert torch.equal(stats, expect_stats)
             y = _expert_fn(recv_x, rank)
-            combined, event, hook = buf.low_latency_combine(y, me["idx"], me["w"], handle)
+            wait_stats = torch.arange(world, dtype=torch.int64)
+            combined, event, hook = buf.low_latency_combine(
+                y, me["idx"], me["w"], handle, async_finish=True, combine_wait_recv_cost_stats=wait_stats
+            )
+            assert isinstance(event.event, EventHandle)
+            with event:
+                pass
+            assert torch.equal(wait_stats, torch.arange(world)), "no wait times are measured"
             assert hook is None and combined.shape == (me["n"], H) and combined.dtype == torch.bfloat16
             _close(combined.float(), _expected_combine(me), rtol=2e-2, atol=5e-2)
 
