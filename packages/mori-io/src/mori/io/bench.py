@@ -804,24 +804,27 @@ def plot(path: Path, rows: Sequence[dict[str, Any]], baseline: str, key: str) ->
     except ImportError:
         print("(matplotlib not installed: no plot)")
         return False
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for op in sorted({r["op"] for r in rows}):
-        for batch in sorted({r["batch"] for r in rows}):
+    ops = sorted({r["op"] for r in rows}, reverse=True)  # write, read
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, max(1, len(ops)), figsize=(6.5 * max(1, len(ops)), 5), squeeze=False)
+    for ax, op in zip(axes[0], ops, strict=False):
+        for i, batch in enumerate(batches):
             sel = [r for r in rows if r["op"] == op and r["batch"] == batch]
             if not sel:
                 continue
+            color = f"C{i}"
             x = [r["block"] for r in sel]
-            ax.plot(x, [r["mori"]["gbps"] for r in sel], marker="o", label=f"mori {op} batch {batch}")
+            ax.plot(x, [r["mori"]["gbps"] for r in sel], "-o", color=color, label=f"mori, batch {batch}")
             if all(key in r for r in sel):
                 ax.plot(
-                    x, [r[key]["gbps"] for r in sel], "--", marker="x", label=f"{baseline} {op} batch {batch}"
+                    x, [r[key]["gbps"] for r in sel], "--x", color=color, label=f"{baseline}, batch {batch}"
                 )
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("block bytes")
-    ax.set_ylabel("GB/s (median of reps)")
-    ax.set_title(f"mori bench io: mori.io vs {baseline}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block bytes")
+        ax.set_ylabel("GB/s (median of reps)")
+        ax.set_title(f"{op.upper()}: mori.io (solid) vs {baseline} (dashed)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     print(f"wrote {path}")
