@@ -83,6 +83,15 @@ def _inputs(seed: int, src: int, world: int, pattern: str, dtype: torch.dtype, k
     return {"x": x, "w": w, "s": s, "idx": idx, "n": n}
 
 
+def _dev(op: EpDispatchCombineOp, d: dict[str, Any]) -> dict[str, Any]:
+    """One rank's inputs on the operator's device (references stay on the CPU)."""
+    return {k: v.to(op._recv_tok.device) if isinstance(v, torch.Tensor) else v for k, v in d.items()}
+
+
+def _cpu(ts: Any) -> list[Any]:
+    return [t.cpu() if isinstance(t, torch.Tensor) else t for t in ts]
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
@@ -91,9 +100,9 @@ def _check_dispatch(
     op: EpDispatchCombineOp, outs: tuple[Any, ...], all_in: list[dict[str, Any]], counted: bool = False
 ) -> int:
     rank, world = op.rank, op.world_size
-    out, out_w, out_s, out_idx, total_t = outs[:5]
+    out, out_w, out_s, out_idx, total_t = _cpu(outs[:5])
     total = int(total_t[0])
-    pos = op.get_dispatch_src_token_pos()
+    pos = op.get_dispatch_src_token_pos().cpu()
     assert pos.shape == (total,) and pos.dtype == torch.int32
     assert torch.unique(pos).numel() == total, "source positions are not unique"
     ref = reference_dispatch([d["idx"] for d in all_in], E_LOCAL, M)[rank]
@@ -114,7 +123,7 @@ def _check_dispatch(
     idx = out_idx[:total]
     mine = (idx >= 0) & (idx // E_LOCAL == rank)
     expect = torch.bincount((idx[mine] - rank * E_LOCAL).long(), minlength=E_LOCAL).to(torch.int32)
-    assert torch.equal(op.local_expert_count, expect)
+    assert torch.equal(op.local_expert_count.cpu(), expect)
     return total
 
 
@@ -125,7 +134,7 @@ def _check_combine(
     cdtype: torch.dtype,
     tol: float | None = None,
 ) -> None:
-    out, out_w = got
+    out, out_w = _cpu(got)
     n, world = mine["n"], op.world_size
     assert out.shape == (M, H) and out.dtype == cdtype
     expect = reference_combine(mine["x"].to(cdtype), mine["idx"], E_LOCAL, world)
@@ -149,7 +158,7 @@ def _round(
 ) -> None:
     rank, world = op.rank, op.world_size
     all_in = [_inputs(seed, s, world, pattern, dtype, k) for s in range(world)]
-    me = all_in[rank]
+    me = _dev(op, all_in[rank])
     outs = op.dispatch(me["x"], me["w"], me["s"] if scales else None, me["idx"], call_local_expert_count=True)
     total = _check_dispatch(op, outs, all_in, counted=True)
     y = outs[0][:total].to(cdtype)  # identity experts
@@ -159,13 +168,13 @@ def _round(
         got = op.combine(buf, outs[1], me["idx"], use_external_inp_buf=False)
     else:
         got = op.combine(y, outs[1], me["idx"])
-    _check_combine(op, got, me, cdtype)
+    _check_combine(op, got, all_in[rank], cdtype)
 
 
-def _scenarios(rank: int, world: int, impl: str = "host") -> None:
-    # random routing with sentinels and scales, 10 calls in a row on one op, bf16
+def _scenarios(rank: int, world: int, impl: str = "host", rounds: int = 10) -> None:
+    # random routing with sentinels and scales, `rounds` calls in a row on one op, bf16
     op = _op(impl, rank, world)
-    for it in range(10):
+    for it in range(rounds):
         _round(op, it, "random", torch.bfloat16, torch.bfloat16)
     # other patterns, other dtypes, cross-dtype combine, no scales
     _round(op, 20, "round_robin", torch.float32, torch.bfloat16, scales=False)
@@ -192,7 +201,7 @@ def _async_ll(rank: int, world: int, impl: str = "host") -> None:
     op = _op(impl, rank, world, kernel_type=KT.AsyncLL)
     for it in range(4):
         all_in = [_inputs(60 + it, s, world, "random", torch.bfloat16, K) for s in range(world)]
-        me = all_in[rank]
+        me = _dev(op, all_in[rank])
         outs = op.dispatch_send(me["x"], me["w"], me["s"], me["idx"])
         with pytest.raises(MoriStateError, match="dispatch_recv"):
             op.combine(outs[0], outs[1], me["idx"])
@@ -200,7 +209,7 @@ def _async_ll(rank: int, world: int, impl: str = "host") -> None:
         total = _check_dispatch(op, outs, all_in, counted=True)
         got = op.combine_send(outs[0][:total].clone(), outs[1][:total].clone(), me["idx"])
         op.combine_recv()
-        _check_combine(op, got, me, torch.bfloat16)
+        _check_combine(op, got, all_in[rank], torch.bfloat16)
 
 
 def _new_payload(src: int, n: int) -> dict[str, torch.Tensor]:
@@ -212,27 +221,28 @@ def _replay(rank: int, world: int, impl: str = "host") -> None:
     op = _op(impl, rank, world)
     a = [_inputs(70, s, world, "random", torch.bfloat16, K) for s in range(world)]
     b = [_inputs(71, s, world, "round_robin", torch.bfloat16, K) for s in range(world)]
-    outs = op.dispatch(a[rank]["x"], a[rank]["w"], None, a[rank]["idx"], return_routing=True)
+    da, db = _dev(op, a[rank]), _dev(op, b[rank])
+    outs = op.dispatch(da["x"], da["w"], None, da["idx"], return_routing=True)
     handle = outs[5]
     ta, pos_a = int(outs[4][0]), op.get_dispatch_src_token_pos()
     ya = outs[0][:ta].clone()  # layer a's expert outputs, taken before the next dispatch
     # layer b overwrites the receive buffers
-    outs_b = op.dispatch(b[rank]["x"], b[rank]["w"], None, b[rank]["idx"])
+    outs_b = op.dispatch(db["x"], db["w"], None, db["idx"])
     _check_dispatch(op, outs_b, b)
     # combine layer a through its handle
-    got = op.combine(ya, None, a[rank]["idx"], routing=handle)
+    got = op.combine(ya, None, da["idx"], routing=handle)
     _check_combine(op, got, a[rank], torch.bfloat16)
     assert got[1] is None
     # replay layer a's layout with a new payload (same routing, new tokens and weights)
     all_new = [dict(a[s], **_new_payload(s, a[s]["n"])) for s in range(world)]
-    new, n = all_new[rank], a[rank]["n"]
+    new, n = _dev(op, all_new[rank]), a[rank]["n"]
     rebuilt = type(handle).from_tensors(handle.tensors(), n)
     outs_r = op.dispatch(new["x"], new["w"], None, new["idx"], routing=rebuilt)
     assert int(outs_r[4][0]) == ta
     assert torch.equal(op.get_dispatch_src_token_pos(), pos_a), "replay moved rows"
     _check_dispatch(op, outs_r, all_new)
     got = op.combine(outs_r[0][: int(outs_r[4][0])], outs_r[1], new["idx"], routing=rebuilt)
-    _check_combine(op, got, new, torch.bfloat16)
+    _check_combine(op, got, all_new[rank], torch.bfloat16)
 
 
 def _quant_round(op: EpDispatchCombineOp, seed: int, tol: float, *, big: bool = False) -> None:
@@ -490,12 +500,47 @@ INTERPRET = {"TRITON_INTERPRET": "1"}
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_kernels_scenarios(world: int) -> None:
-    shmem_ranks(_scenarios, world, "triton", env=INTERPRET)
+    # (the interpreter runs every program of every launch in Python: fewer rounds, more time)
+    shmem_ranks(_scenarios, world, "triton", 4, env=INTERPRET, timeout=300)
 
 
 def test_kernels_async_ll_split() -> None:
-    shmem_ranks(_async_ll, 2, "triton", env=INTERPRET)
+    shmem_ranks(_async_ll, 2, "triton", env=INTERPRET, timeout=300)
 
 
 def test_kernels_routing_handle_replay() -> None:
-    shmem_ranks(_replay, 2, "triton", env=INTERPRET)
+    shmem_ranks(_replay, 2, "triton", env=INTERPRET, timeout=300)
+
+
+# -- on GPUs (cuda runtime, the nvlink plugin): 2 ranks on 2 GPUs, 4 and 8 ranks sharing them ------
+
+
+def _gpu_rank_device(rank: int, nranks: int) -> None:
+    torch.cuda.set_device(rank % int(os.environ["MORI_TEST_GPUS"]))
+
+
+def _on_gpus(fn: Any, nranks: int, gpus: int) -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
+    env = {"MORI_DEVICE_RUNTIME": "cuda", "MORI_SHMEM_HEAP_SIZE": "512M", "MORI_TEST_GPUS": str(gpus)}
+    shmem_ranks(fn, nranks, "auto", env=env, timeout=300, before_init=_gpu_rank_device)
+
+
+GPU_CONFIGS = [
+    pytest.param(2, 2, id="2gpus-2ranks"),
+    pytest.param(4, 2, id="2gpus-4ranks"),
+    pytest.param(8, 2, id="2gpus-8ranks"),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("nranks", "gpus"), GPU_CONFIGS)
+def test_gpu_scenarios(nranks: int, gpus: int) -> None:
+    _on_gpus(_scenarios, nranks, gpus)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("nranks", "gpus"), GPU_CONFIGS[:2])
+def test_gpu_async_ll_and_replay(nranks: int, gpus: int) -> None:
+    _on_gpus(_async_ll, nranks, gpus)
+    _on_gpus(_replay, nranks, gpus)

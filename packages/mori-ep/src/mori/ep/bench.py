@@ -162,6 +162,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kernel-type", choices=KERNEL_TYPES, default="IntraNode", help="(default IntraNode)")
     p.add_argument(
+        "--zero-copy",
+        action="store_true",
+        help="combine from the registered input buffer (use_external_inp_buf=False: the experts write "
+        "their outputs there); default: combine an ordinary tensor",
+    )
+    p.add_argument(
         "--iters", type=int, default=None, help="measurements per figure (default cuda 50, cpu 10)"
     )
     p.add_argument(
@@ -230,7 +236,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 #: the options the ranks need (the rest stays in this process)
 _SPEC_KEYS: tuple[str, ...] = ("device", "ranks", "tokens", "hidden", "experts", "topk", "dtype", "sms")
-_SPEC_KEYS += ("warps", "kernel_type", "iters", "warmup", "reps", "seed")
+_SPEC_KEYS += ("warps", "kernel_type", "iters", "warmup", "reps", "seed", "zero_copy")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -642,6 +648,7 @@ def _case(
         num_experts_per_rank=e_local,
         num_experts_per_token=k,
         kernel_type=kt,
+        use_external_inp_buf=not spec["zero_copy"],
     )
     op = EpDispatchCombineOp(cfg)
     warps = spec["warps"]
@@ -658,6 +665,10 @@ def _case(
     n_recv = int(total[0])
     comb_in = (dequantise_fp8(out, out_scales) if fp8 else out).to(torch.bfloat16).clone()
     comb_in[n_recv:] = 0
+    if spec["zero_copy"]:  # the expert outputs live in the registered buffer
+        registered = op.get_registered_combine_input_buffer(torch.bfloat16)
+        registered[: comb_in.shape[0]] = comb_in
+        comb_in = registered
 
     def combine(sms: int) -> Any:
         res = op.combine(comb_in, None, idx, block_num=sms, warp_per_block=warps)
@@ -836,7 +847,8 @@ def _report(spec: dict[str, Any], results: list[dict[str, Any]], rows: list[dict
     base_name = "NCCL" if dev == "cuda" else "gloo"
     table = []
     for r in rows:
-        dtype = r["dtype"] if r["phase"] == "dispatch" else f"bf16 ({r['dispatch_dtype']} run)"
+        zc = ", zero-copy" if spec.get("zero_copy") else ""
+        dtype = r["dtype"] if r["phase"] == "dispatch" else f"bf16 ({r['dispatch_dtype']} run{zc})"
         b = r.get("baseline")
         table.append(
             [

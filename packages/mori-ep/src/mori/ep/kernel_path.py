@@ -8,6 +8,7 @@ value on the host, so dispatch and combine can be captured in a CUDA graph and r
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,7 +54,9 @@ class TileConfig:
     block: int
 
     @staticmethod
-    def for_row(row_elems: int, target: int = 4096) -> TileConfig:
+    def for_row(row_elems: int, target: int | None = None) -> TileConfig:
+        if target is None:  # tuning knob while the launch-config tables are being measured
+            target = int(os.environ.get("MORI_EP_TILE_ELEMS", "4096"))
         block = min(_pow2_at_least(row_elems), 2048)
         return TileConfig(rows=max(1, min(16, target // block)), block=block)
 
@@ -69,7 +72,7 @@ class KernelPath:
         self.kernels = kernels
         self.op = op
         dev = op._recv_tok.device
-        if dev.type == "cpu" and type(kernels.dispatch_send_kernel).__name__ != "InterpretedFunction":
+        if dev.type == "cpu" and type(kernels.dispatch_kernel).__name__ != "InterpretedFunction":
             raise MoriStateError(
                 "EpDispatchCombineOp: the cpu runtime runs the Triton kernels only in the interpreter; "
                 "set TRITON_INTERPRET=1 before triton is first imported, or use impl='host'"
@@ -80,9 +83,17 @@ class KernelPath:
         self.ctrl = shmem.mori_shmem_create_tensor((4 * w + kernels.N_CTRL_EXTRA,), torch.int64)
         self.ctrl.zero_()
         op._symm.append(self.ctrl)
+        #: registered combine weights: peers read each row's weights here
+        self.comb_w = shmem.mori_shmem_create_tensor((op._r, op._k), torch.float32)
+        self.comb_w.zero_()
+        op._symm.append(self.comb_w)
         self.dest_slot = torch.full((w, m), -1, dtype=torch.int32, device=dev)
         self.total_recv = torch.zeros(1, dtype=torch.int32, device=dev)
         self.is_gpu = dev.type != "cpu"
+        #: programs that are surely resident at once (one per SM); the interpreter runs one at a time
+        self.resident_programs = (
+            torch.cuda.get_device_properties(dev).multi_processor_count if self.is_gpu else 1
+        )
         # Triton's num_warps is a power of two; AMD wavefronts are 64 wide, so at most 16 there
         self.max_warps = 16 if torch.version.hip else 32
 
@@ -107,7 +118,10 @@ class KernelPath:
         routing: EpDispatchRoutingHandle | None,
         block_num: int,
         warp_per_block: int,
+        recv: bool,
     ) -> None:
+        """Launch :func:`~mori.ep.kernels.dispatch_kernel`; ``recv``: its last program also waits
+        for every peer and publishes ``total_recv`` (else :meth:`dispatch_recv` does)."""
         op, k = self.op, self.op._k
         n, h = input.shape
         nb = h * input.element_size()
@@ -124,7 +138,7 @@ class KernelPath:
         else:
             sc, sb, sc_stride = op._recv_scales, 0, 0
         dest_slot = routing.dest_slot if routing is not None else self.dest_slot
-        self.kernels.dispatch_send_kernel[(self._grid(block_num),)](
+        self.kernels.dispatch_kernel[(self._grid(block_num),)](
             inp_w,
             inp_w.stride(0),
             wts,
@@ -138,6 +152,8 @@ class KernelPath:
             op._recv_idx,
             op._recv_src,
             dest_slot,
+            self.total_recv,
+            routing.total_recv if routing is not None else self.total_recv,
             self.ctrl,
             self.ctx,
             nb // word,
@@ -154,18 +170,21 @@ class KernelPath:
             HAS_W=weights is not None,
             HAS_SC=scales is not None and sb > 0,
             REPLAY=routing is not None,
+            RECV=recv,
             BT=tile.rows,
             BLOCK=tile.block,
             SC_BLOCK=min(256, _pow2_at_least(max(sb, 1))),
             num_warps=self._warps(warp_per_block),
         )
 
-    def dispatch_recv(self, routing: EpDispatchRoutingHandle | None, count: bool) -> None:
+    def dispatch_recv(self, routing: EpDispatchRoutingHandle | None, count: bool, launch: bool) -> None:
+        """``launch``: wait for the peers here (AsyncLL); then ``count`` local experts' rows."""
         op = self.op
-        replay_total = routing.total_recv if routing is not None else self.total_recv
-        self.kernels.dispatch_recv_kernel[(1,)](
-            self.ctrl, self.total_recv, replay_total, W=op.world_size, REPLAY=routing is not None
-        )
+        if launch:
+            replay_total = routing.total_recv if routing is not None else self.total_recv
+            self.kernels.dispatch_recv_kernel[(1,)](
+                self.ctrl, self.total_recv, replay_total, W=op.world_size, REPLAY=routing is not None
+            )
         if count:
             self._local_expert_count()
 
@@ -182,78 +201,72 @@ class KernelPath:
 
     # -- combine -------------------------------------------------------------------------------
 
-    def combine_send(
+    def combine(
         self,
         input: torch.Tensor,
         weights: torch.Tensor | None,
-        routing: EpDispatchRoutingHandle | None,
-        block_num: int,
-        warp_per_block: int,
-    ) -> None:
-        op, k = self.op, self.op._k
-        rows, h = input.shape
-        nb = h * input.element_size()
-        stage_bytes = op._stage_tok.shape[2]
-        word = _word_size(nb, input.stride(0) * input.element_size(), input.data_ptr(), stage_bytes)
-        inp_w = _as_words(input, word)
-        stage_w = _as_words(op._stage_tok.view(-1, stage_bytes), word)
-        tile = TileConfig.for_row(nb // word)
-        recv_src = routing.recv_src_pos if routing is not None else op._recv_src
-        total = routing.total_recv if routing is not None else self.total_recv
-        wts = weights.contiguous() if weights is not None else op._recv_w
-        self.kernels.combine_send_kernel[(self._grid(block_num),)](
-            inp_w,
-            inp_w.stride(0),
-            wts,
-            rows,
-            recv_src,
-            total,
-            stage_w,
-            op._stage_w,
-            self.ctrl,
-            self.ctx,
-            nb // word,
-            stage_bytes // word,
-            op._m,
-            W=op.world_size,
-            K=k,
-            K_P2=_pow2_at_least(k),
-            HAS_W=weights is not None,
-            BT=tile.rows,
-            BLOCK=tile.block,
-            num_warps=self._warps(warp_per_block),
-        )
-
-    def combine_recv(
-        self,
         out: torch.Tensor,
         out_w: torch.Tensor | None,
         n_tok: int,
         routing: EpDispatchRoutingHandle | None,
         block_num: int,
         warp_per_block: int,
+        phases: int,
     ) -> None:
-        op, k = self.op, self.op._k
-        h = out.shape[1]
-        stage_bytes = op._stage_tok.shape[2]
-        stage = op._stage_tok.view(-1, stage_bytes).view(out.dtype)
+        """Launch :func:`~mori.ep.kernels.combine_kernel` for ``phases`` (STAGE, REDUCE or both).
+
+        ``input`` is either any tensor (copied to the registered buffer where peers read it) or
+        the registered buffer itself (zero-copy).
+        """
+        op, k, kern = self.op, self.op._k, self.kernels
+        rows, h = input.shape
+        nb = h * input.element_size()
+        row_bytes = op._row_bytes
+        zero_copy = input.data_ptr() == op._comb_inp.data_ptr()
+        word = _word_size(nb, input.stride(0) * input.element_size(), input.data_ptr(), row_bytes)
+        inp_w = _as_words(input, word)
+        cinp_w = _as_words(op._comb_inp, word)
+        cinp_typed = op._comb_inp.view(input.dtype)
         tile = TileConfig.for_row(h)
-        dest_slot = routing.dest_slot if routing is not None else self.dest_slot
-        self.kernels.combine_recv_kernel[(self._grid(block_num),)](
-            out,
-            out_w if out_w is not None else op._stage_w,
-            stage,
-            op._stage_w,
+        src = routing if routing is not None else None
+        recv_src = src.recv_src_pos if src is not None else op._recv_src
+        total = src.total_recv if src is not None else self.total_recv
+        dest_slot = src.dest_slot if src is not None else self.dest_slot
+        wts = weights.contiguous() if weights is not None else self.comb_w  # unused when HAS_W=0
+        grid = self._grid(block_num)
+        if phases == kern.STAGE | kern.REDUCE:
+            # the reduction waits for every program's staging: all of them must be resident at once
+            grid = min(grid, self.resident_programs)
+        kern.combine_kernel[(grid,)](
+            inp_w,
+            inp_w.stride(0),
+            input,
+            input.stride(0),
+            wts,
+            rows,
+            recv_src,
+            total,
+            cinp_w,
+            cinp_w.stride(0),
+            cinp_typed,
+            cinp_typed.stride(0),
+            self.comb_w,
             dest_slot,
+            out,
+            out_w if out_w is not None else self.comb_w,
             self.ctrl,
+            self.ctx,
             n_tok,
             h,
-            stage.shape[1],
+            nb // word,
             op._m,
             W=op.world_size,
             K=k,
             K_P2=_pow2_at_least(k),
-            HAS_W=out_w is not None,
+            HAS_W=weights is not None,
+            COPY=not zero_copy,
+            DO_STAGE=bool(phases & kern.STAGE),
+            DO_REDUCE=bool(phases & kern.REDUCE),
             BT=tile.rows,
             BLOCK=tile.block,
             num_warps=self._warps(warp_per_block),

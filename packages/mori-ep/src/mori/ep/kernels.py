@@ -2,11 +2,11 @@
 
 One source for NVIDIA and AMD GPUs (and the CPU under ``TRITON_INTERPRET=1``, where tests run them
 at small sizes). The protocol is the host path's (``mori.ep.op``): the same symmetric buffers, the
-same epochs, the same order. Four kernels, two per phase, so that ``AsyncLL`` can split them and so
-that no program ever waits for a later program of its own launch (the interpreter runs programs one
-after another):
+same epochs, the same order. Three kernels; no program ever waits for a later program of its own
+launch unless every program is resident (a GPU launch capped at the SM count): the interpreter runs
+programs one after another.
 
-``dispatch_send_kernel`` (grid = SM budget)
+``dispatch_kernel`` (grid = SM budget)
     1. program 0 tells every peer "my receive buffers are free for call ``e``" (``READY_D``);
        every program waits until every peer said so: nothing is written into a buffer its owner
        may still read;
@@ -19,17 +19,20 @@ after another):
     4. a system-scope fence and a ticket: the last program to finish tells every peer "call ``e``
        of mine is complete" (``DONE_D``) and advances the epoch.
 
-``dispatch_recv_kernel`` (one program) waits for every peer's ``DONE_D``, reads the slot counter
-into ``total_recv`` and sets it back to zero. A peer cannot reserve rows of the next call before
-this rank's next ``dispatch_send_kernel`` said "free", so the reset cannot race with it.
+    5. ``RECV``: that last program then waits for every peer's ``DONE_D``, reads the slot counter
+       into ``total_recv`` and sets it back to zero (no other program of the launch waits, so this
+       is safe in any order, interpreter included). A peer cannot reserve rows of the next call
+       before this rank's next dispatch said "free", so the reset cannot race with it.
 
-``combine_send_kernel`` (grid = SM budget): the same handshake (``READY_C``), then every received
-row goes back to its source rank's staging buffer at ``[this rank, source token]``; fence, ticket,
-``DONE_C``.
+``dispatch_recv_kernel`` (one program) is step 5 alone, for ``AsyncLL``'s ``dispatch_recv``.
 
-``combine_recv_kernel`` (grid = SM budget) waits for every peer's ``DONE_C``, then sums in fp32,
-for each of its tokens, the staged rows of the ranks it was sent to (``dest_slot >= 0``) and casts
-once to the output dtype.
+``combine_kernel`` (grid = SM budget), push then reduce (one launch on a GPU; two, ``PUSH`` then
+``REDUCE``, under the interpreter or for ``AsyncLL``): the same handshake (``READY_C``), then
+every received row from another rank goes back to its source rank's staging buffer at
+``[this rank, source token]``; fence, ticket, ``DONE_C``. Then, once every peer's ``DONE_C`` is
+there, each program sums in fp32, for each of its tokens, the rows of the ranks it was sent to
+(``dest_slot >= 0``): staged rows for peers, its own rows straight from the combine input (they
+never move), and casts once to the output dtype.
 
 Epochs live in the control words on the device, so the kernels take no per-call host value: a
 CUDA graph of them replays correctly. Control words (int64, symmetric, ``W`` = world size):
@@ -52,14 +55,13 @@ from mori.shmem import device as shd
 
 __all__ = [
     "N_CTRL_EXTRA",
-    "combine_recv_kernel",
-    "combine_send_kernel",
+    "combine_kernel",
     "dispatch_recv_kernel",
-    "dispatch_send_kernel",
+    "dispatch_kernel",
 ]
 
 #: control words after the 4 * world_size signal words
-N_CTRL_EXTRA = 5
+N_CTRL_EXTRA = 6
 
 
 @device_function
@@ -88,14 +90,31 @@ def _finish(ctrl_ptr, ticket_off, epoch_off, done_off, epoch, ctx_ptr, W: tl.con
     # every program: fence its stores, take a ticket; the last one advances the epoch and tells
     # every peer that this rank's call `epoch` is complete. The release of each ticket and the
     # acquire of the last one chain every program's stores before the peers' signals.
+    # Returns whether this program was the last.
     shd.fence(ctx_ptr)
     ticket = tl.atomic_add(ctrl_ptr + ticket_off, 1, sem="acq_rel", scope="sys")
-    if ticket == tl.num_programs(0) - 1:
+    last = ticket == tl.num_programs(0) - 1
+    if last:
         tl.store(ctrl_ptr + ticket_off, 0)
         tl.store(ctrl_ptr + epoch_off, epoch)
         me = shd.my_pe(ctx_ptr)
         for q in tl.static_range(W):
             shd.signal_op(ctrl_ptr + done_off + me, 1, shd.SIGNAL_ADD, q, ctx_ptr)
+    return last
+
+
+@device_function
+@triton.jit
+def _publish_total(ctrl_ptr, total_ptr, replay_total_ptr, epoch, W: tl.constexpr, REPLAY: tl.constexpr):
+    # wait for every peer's dispatch `epoch`, then publish total_recv and reset the slot counter
+    _rd, DONE_D, _rc, _dc, SLOT, _ed, _ec, _td, _tc = _ctrl_offsets(W)
+    for q in tl.static_range(W):
+        shd.wait_until(ctrl_ptr + DONE_D + q, shd.SHMEM_CMP_GE, epoch)
+    if REPLAY:
+        total = tl.load(replay_total_ptr)
+    else:
+        total = tl.atomic_xchg(ctrl_ptr + SLOT, 0, sem="acq_rel", scope="sys").to(tl.int32)
+    tl.store(total_ptr, total)
 
 
 @device_function
@@ -131,6 +150,8 @@ def _dispatch_variants() -> list[dict[str, Any]]:
         "recv_idx_ptr": "*i32",
         "recv_src_ptr": "*i32",
         "dest_slot_ptr": "*i32",
+        "total_ptr": "*i32",
+        "replay_total_ptr": "*i32",
         "ctrl_ptr": "*i64",
         "ctx_ptr": "*i64",
         "row_words": "i32",
@@ -160,6 +181,7 @@ def _dispatch_variants() -> list[dict[str, Any]]:
                     "HAS_W": 1,
                     "HAS_SC": has_sc,
                     "REPLAY": replay,
+                    "RECV": 1,
                     "BT": 4,
                     "BLOCK": 1024,
                     "SC_BLOCK": 64,
@@ -174,7 +196,7 @@ def _dispatch_variants() -> list[dict[str, Any]]:
 
 @aot_variants(_dispatch_variants())
 @triton.jit
-def dispatch_send_kernel(
+def dispatch_kernel(
     # this rank's tokens: rows of words [N, >= row_words], weights fp32 [N, K], scales bytes
     # [N, >= sc_bytes], expert ids int32 [N, K]; N = n_tok
     inp_ptr,
@@ -193,6 +215,9 @@ def dispatch_send_kernel(
     recv_src_ptr,
     # int32 [W, M]: slot of token t on rank p (written here, or read when REPLAY), -1 if not sent
     dest_slot_ptr,
+    # int32 [1] total_recv (written when RECV), int32 [1] the routing handle's (read when REPLAY)
+    total_ptr,
+    replay_total_ptr,
     # symmetric int64 control words, shmem context
     ctrl_ptr,
     ctx_ptr,
@@ -210,6 +235,7 @@ def dispatch_send_kernel(
     HAS_W: tl.constexpr,
     HAS_SC: tl.constexpr,
     REPLAY: tl.constexpr,
+    RECV: tl.constexpr,
     BT: tl.constexpr,
     BLOCK: tl.constexpr,
     SC_BLOCK: tl.constexpr,
@@ -311,7 +337,10 @@ def dispatch_send_kernel(
             c += BLOCK
         t0 += BT
 
-    _finish(ctrl_ptr, TICKET_D, EPOCH_D, DONE_D, epoch, ctx_ptr, W)
+    last = _finish(ctrl_ptr, TICKET_D, EPOCH_D, DONE_D, epoch, ctx_ptr, W)
+    if RECV:  # noqa: SIM102  (a constexpr and a tensor: Triton takes no `and` here)
+        if last:  # every other program of this launch is done: nothing waits for this one
+            _publish_total(ctrl_ptr, total_ptr, replay_total_ptr, epoch, W, REPLAY)
 
 
 @aot_variants(
@@ -327,195 +356,217 @@ def dispatch_send_kernel(
 )
 @triton.jit
 def dispatch_recv_kernel(ctrl_ptr, total_ptr, replay_total_ptr, W: tl.constexpr, REPLAY: tl.constexpr):
-    """One program: wait for every peer's dispatch, publish ``total_recv``, reset the slot counter."""
-    _rd, DONE_D, _rc, _dc, SLOT, EPOCH_D, _ec, _td, _tc = _ctrl_offsets(W)
-    epoch = tl.load(ctrl_ptr + EPOCH_D)
-    for q in tl.static_range(W):
-        shd.wait_until(ctrl_ptr + DONE_D + q, shd.SHMEM_CMP_GE, epoch)
-    if REPLAY:
-        total = tl.load(replay_total_ptr)
-    else:
-        total = tl.atomic_xchg(ctrl_ptr + SLOT, 0, sem="acq_rel", scope="sys").to(tl.int32)
-    tl.store(total_ptr, total)
+    """One program (AsyncLL's receive half): wait for every peer's dispatch, publish
+    ``total_recv``, reset the slot counter."""
+    _rd, _dd, _rc, _dc, _s, EPOCH_D, _ec, _td, _tc = _ctrl_offsets(W)
+    _publish_total(ctrl_ptr, total_ptr, replay_total_ptr, tl.load(ctrl_ptr + EPOCH_D), W, REPLAY)
 
 
-def _combine_send_variants() -> list[dict[str, Any]]:
+#: what one launch of combine_kernel does (host-side flags): publish this rank's rows (STAGE),
+#: gather and sum every token's rows (REDUCE), or both (GPU: one launch)
+STAGE = 1
+REDUCE = 2
+
+
+def _combine_variants() -> list[dict[str, Any]]:
     sig = {
         "inp_ptr": "*i32",
         "inp_stride": "i64",
+        "own_ptr": "*bf16",
+        "own_stride": "i64",
         "w_ptr": "*fp32",
         "n_inp_rows": "i32",
         "recv_src_ptr": "*i32",
         "total_ptr": "*i32",
-        "stage_tok_ptr": "*i32",
-        "stage_w_ptr": "*fp32",
+        "cinp_ptr": "*i32",
+        "cinp_row_words": "i32",
+        "cinp_typed_ptr": "*bf16",
+        "cinp_row_elems": "i32",
+        "cw_ptr": "*fp32",
+        "dest_slot_ptr": "*i32",
+        "out_ptr": "*bf16",
+        "out_w_ptr": "*fp32",
         "ctrl_ptr": "*i64",
         "ctx_ptr": "*i64",
+        "n_tok": "i32",
+        "h": "i32",
         "row_words": "i32",
-        "stage_row_words": "i32",
         "M": "i32",
     }
-    return [
-        {
-            "signature": {**sig, "inp_ptr": word, "stage_tok_ptr": word},
-            "constexprs": {"W": w, "K": 8, "K_P2": 8, "HAS_W": has_w, "BT": 4, "BLOCK": 1024},
-            "aligned": ("inp_ptr", "stage_tok_ptr", "ctrl_ptr", "ctx_ptr"),
-            "num_warps": 16,
-            "label": f"W={w} {word[1:]} weights={has_w}",
-        }
-        for w, has_w, word in ((2, 0, "*i32"), (2, 1, "*i32"), (8, 1, "*i32"), (2, 0, "*i16"))
-    ]
+    out = []
+    for w, has_w, copy, dt, phases in (
+        (2, 0, 1, "*bf16", 3),
+        (2, 1, 0, "*bf16", 3),
+        (8, 1, 1, "*bf16", 3),
+        (2, 1, 1, "*fp32", 1),
+        (2, 1, 1, "*fp32", 2),
+    ):
+        out.append(
+            {
+                "signature": {**sig, "own_ptr": dt, "cinp_typed_ptr": dt, "out_ptr": dt},
+                "constexprs": {
+                    "W": w,
+                    "K": 8,
+                    "K_P2": 8,
+                    "HAS_W": has_w,
+                    "COPY": copy,
+                    "DO_STAGE": int(bool(phases & STAGE)),
+                    "DO_REDUCE": int(bool(phases & REDUCE)),
+                    "BT": 4,
+                    "BLOCK": 2048,
+                },
+                "aligned": (
+                    "inp_ptr",
+                    "own_ptr",
+                    "cinp_ptr",
+                    "cinp_typed_ptr",
+                    "out_ptr",
+                    "ctrl_ptr",
+                    "ctx_ptr",
+                ),
+                "num_warps": 16,
+                "label": f"W={w} {dt[1:]} weights={has_w} copy={copy} phases={phases}",
+            }
+        )
+    return out
 
 
-@aot_variants(_combine_send_variants())
+@aot_variants(_combine_variants())
 @triton.jit
-def combine_send_kernel(
-    # expert outputs, row i for received row i: words [>= total, >= row_words]; weights fp32 [., K]
+def combine_kernel(
+    # expert outputs, row i for received row i: words [>= total, >= row_words] (copied to the
+    # registered buffer when COPY) and typed like the output (this rank's own rows are read there)
     inp_ptr,
     inp_stride,
+    own_ptr,
+    own_stride,
+    # combine weights fp32 [>= total, K]; rows available in the input
     w_ptr,
     n_inp_rows,
     # int32 [R] flat source positions of the received rows, int32 [1] how many
     recv_src_ptr,
     total_ptr,
-    # symmetric staging (this rank's addresses): rows [W * M, stage_row_words] words, weights [W * M, K]
-    stage_tok_ptr,
-    stage_w_ptr,
-    ctrl_ptr,
-    ctx_ptr,
-    row_words,
-    stage_row_words,
-    M,
-    W: tl.constexpr,
-    K: tl.constexpr,
-    K_P2: tl.constexpr,
-    HAS_W: tl.constexpr,
-    BT: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Store every received row into its source rank's staging buffer at [this rank, token]."""
-    _rd, _dd, READY_C, DONE_C, _s, _ed, EPOCH_C, _td, TICKET_C = _ctrl_offsets(W)
-    pid = tl.program_id(0)
-    me = shd.my_pe(ctx_ptr)
-    epoch = tl.load(ctrl_ptr + EPOCH_C) + 1
-    _handshake(ctrl_ptr, READY_C, epoch, ctx_ptr, W)
-
-    total = tl.minimum(tl.load(total_ptr), n_inp_rows)
-    span = W * M
-    offs = tl.arange(0, BT)
-    cols0 = tl.arange(0, BLOCK)
-    ks = tl.arange(0, K_P2)
-    step = tl.num_programs(0) * BT
-    r0 = pid * BT
-    while r0 < total:
-        rows = r0 + offs
-        rmask = rows < total
-        pos = tl.load(recv_src_ptr + rows, mask=rmask, other=0)
-        src_rank = pos // span
-        stage_row = me * M + pos % span
-        dst_rows = shd.ptr_p2p(stage_tok_ptr + stage_row.to(tl.int64) * stage_row_words, src_rank, ctx_ptr)
-        c = 0
-        while c < row_words:
-            cols = c + cols0
-            m = rmask[:, None] & (cols < row_words)[None, :]
-            data = tl.load(inp_ptr + rows.to(tl.int64)[:, None] * inp_stride + cols[None, :], mask=m)
-            tl.store(dst_rows[:, None] + cols[None, :], data, mask=m)
-            c += BLOCK
-        if HAS_W:
-            mk = rmask[:, None] & (ks < K)[None, :]
-            wts = tl.load(w_ptr + rows[:, None] * K + ks[None, :], mask=mk)
-            dst_w = shd.ptr_p2p(stage_w_ptr + stage_row * K, src_rank, ctx_ptr)
-            tl.store(dst_w[:, None] + ks[None, :], wts, mask=mk)
-        r0 += step
-
-    _finish(ctrl_ptr, TICKET_C, EPOCH_C, DONE_C, epoch, ctx_ptr, W)
-
-
-def _combine_recv_variants() -> list[dict[str, Any]]:
-    sig = {
-        "out_ptr": "*bf16",
-        "out_w_ptr": "*fp32",
-        "stage_ptr": "*bf16",
-        "stage_w_ptr": "*fp32",
-        "dest_slot_ptr": "*i32",
-        "ctrl_ptr": "*i64",
-        "n_tok": "i32",
-        "h": "i32",
-        "stage_row_elems": "i32",
-        "M": "i32",
-    }
-    return [
-        {
-            "signature": {**sig, "out_ptr": dt, "stage_ptr": dt},
-            "constexprs": {"W": w, "K": 8, "K_P2": 8, "HAS_W": has_w, "BT": 4, "BLOCK": 1024},
-            "aligned": ("out_ptr", "stage_ptr", "ctrl_ptr", "dest_slot_ptr"),
-            "num_warps": 16,
-            "label": f"W={w} {dt[1:]} weights={has_w}",
-        }
-        for w, has_w, dt in ((2, 0, "*bf16"), (2, 1, "*bf16"), (8, 1, "*bf16"), (2, 0, "*fp32"))
-    ]
-
-
-@aot_variants(_combine_recv_variants())
-@triton.jit
-def combine_recv_kernel(
-    # outputs: tokens [>= n_tok, h] (out dtype), weights fp32 [>= n_tok, K]
+    # the registered combine input (symmetric) as words and typed like the output, and the
+    # registered combine weights fp32 [R, K] (symmetric)
+    cinp_ptr,
+    cinp_row_words,
+    cinp_typed_ptr,
+    cinp_row_elems,
+    cw_ptr,
+    # int32 [W, M] from the dispatch: token t went to rank p iff dest_slot[p, t] >= 0, as row
+    # dest_slot[p, t] of p's receive buffer, hence of p's combine input
+    dest_slot_ptr,
+    # outputs: tokens [>= n_tok, h], weights fp32 [>= n_tok, K]
     out_ptr,
     out_w_ptr,
-    # this rank's staging buffer, typed like the output: [W * M, stage_row_elems]; weights [W * M, K]
-    stage_ptr,
-    stage_w_ptr,
-    # int32 [W, M] from the dispatch: token t was sent to rank p iff dest_slot[p, t] >= 0
-    dest_slot_ptr,
     ctrl_ptr,
+    ctx_ptr,
     n_tok,
     h,
-    stage_row_elems,
+    row_words,
     M,
     W: tl.constexpr,
     K: tl.constexpr,
     K_P2: tl.constexpr,
     HAS_W: tl.constexpr,
+    COPY: tl.constexpr,
+    DO_STAGE: tl.constexpr,
+    DO_REDUCE: tl.constexpr,
     BT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Wait for every peer's combine, then sum each token's staged rows in fp32 (fixed rank order)."""
-    _rd, _dd, _rc, DONE_C, _s, _ed, EPOCH_C, _td, _tc = _ctrl_offsets(W)
-    epoch = tl.load(ctrl_ptr + EPOCH_C)
-    for q in tl.static_range(W):
-        shd.wait_until(ctrl_ptr + DONE_C + q, shd.SHMEM_CMP_GE, epoch)
+    """Combine by gathering: every rank reads each of its tokens' rows where they are.
 
-    offs = tl.arange(0, BT)
-    cols0 = tl.arange(0, BLOCK)
-    ks = tl.arange(0, K_P2)
+    STAGE: rows that other ranks will read are put in the registered (symmetric) combine input,
+    unless they are there already (zero-copy: ``COPY`` = 0), with their weights; the last program
+    tells every peer "my rows for call e are readable" (``DONE_C``). REDUCE: once every peer said
+    so, each program sums, in fp32 and in rank order, each of its tokens' rows: its own straight
+    from the input, the others' read from the peers' registered buffers (loads over NVLink /
+    xGMI), casts once, then the last program tells every peer "I have read yours" (``READY_C``)
+    and waits until every peer has read this rank's, so the buffer may be rewritten afterwards.
+    One launch on a GPU, where every program is resident; two under the interpreter (programs
+    run one after another) and for AsyncLL's split.
+    """
+    _rd, _dd, READ_C, DONE_C, _s, _ed, EPOCH_C, _td, TICKET_C = _ctrl_offsets(W)
+    TICKET_R = 4 * W + 5
+    pid = tl.program_id(0)
     step = tl.num_programs(0) * BT
-    t0 = tl.program_id(0) * BT
-    while t0 < n_tok:
-        toks = t0 + offs
-        tmask = toks < n_tok
-        c = 0
-        while c < h:
-            cols = c + cols0
-            cm = cols < h
-            acc = tl.zeros([BT, BLOCK], dtype=tl.float32)
-            for p in tl.static_range(W):
-                sent = tl.load(dest_slot_ptr + p * M + toks, mask=tmask, other=-1) >= 0
-                row = (p * M + toks).to(tl.int64) * stage_row_elems
-                v = tl.load(
-                    stage_ptr + row[:, None] + cols[None, :], mask=sent[:, None] & cm[None, :], other=0.0
-                )
-                acc += v.to(tl.float32)
-            out = out_ptr + toks.to(tl.int64)[:, None] * h + cols[None, :]
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & cm[None, :])
-            c += BLOCK
-        if HAS_W:
-            mk = tmask[:, None] & (ks < K)[None, :]
-            acc_w = tl.zeros([BT, K_P2], dtype=tl.float32)
-            for p in tl.static_range(W):
-                sent = tl.load(dest_slot_ptr + p * M + toks, mask=tmask, other=-1) >= 0
-                row = p * M + toks
-                acc_w += tl.load(
-                    stage_w_ptr + row[:, None] * K + ks[None, :], mask=mk & sent[:, None], other=0.0
-                )
-            tl.store(out_w_ptr + toks[:, None] * K + ks[None, :], acc_w, mask=mk)
-        t0 += step
+    me = shd.my_pe(ctx_ptr)
+    offs = tl.arange(0, BT)
+    ks = tl.arange(0, K_P2)
+    cols0 = tl.arange(0, BLOCK)
+    if DO_STAGE:
+        epoch = tl.load(ctrl_ptr + EPOCH_C) + 1
+        total = tl.minimum(tl.load(total_ptr), n_inp_rows)
+        span = W * M
+        r0 = pid * BT
+        while r0 < total:
+            rows = r0 + offs
+            rmask = rows < total
+            if COPY:  # rows of other ranks only: this rank's own are read from the input
+                pos = tl.load(recv_src_ptr + rows, mask=rmask, other=0)
+                cmask = rmask & (pos // span != me)
+                c = 0
+                while c < row_words:
+                    cols = c + cols0
+                    m = cmask[:, None] & (cols < row_words)[None, :]
+                    data = tl.load(inp_ptr + rows.to(tl.int64)[:, None] * inp_stride + cols[None, :], mask=m)
+                    tl.store(
+                        cinp_ptr + rows.to(tl.int64)[:, None] * cinp_row_words + cols[None, :], data, mask=m
+                    )
+                    c += BLOCK
+            if HAS_W:
+                mk = rmask[:, None] & (ks < K)[None, :]
+                wts = tl.load(w_ptr + rows[:, None] * K + ks[None, :], mask=mk)
+                tl.store(cw_ptr + rows[:, None] * K + ks[None, :], wts, mask=mk)
+            r0 += step
+        _finish(ctrl_ptr, TICKET_C, EPOCH_C, DONE_C, epoch, ctx_ptr, W)
+    if DO_REDUCE:
+        if DO_STAGE:
+            target = epoch
+        else:  # advanced by the last program of the STAGE launch
+            target = tl.load(ctrl_ptr + EPOCH_C)
+        for q in tl.static_range(W):
+            shd.wait_until(ctrl_ptr + DONE_C + q, shd.SHMEM_CMP_GE, target)
+        t0 = pid * BT
+        while t0 < n_tok:
+            toks = t0 + offs
+            tmask = toks < n_tok
+            c = 0
+            while c < h:
+                cols = c + cols0
+                cm = cols < h
+                acc = tl.zeros([BT, BLOCK], dtype=tl.float32)
+                for p in tl.static_range(W):
+                    slot = tl.load(dest_slot_ptr + p * M + toks, mask=tmask, other=-1).to(tl.int64)
+                    if p == me:
+                        m = ((slot >= 0) & (slot < n_inp_rows))[:, None] & cm[None, :]
+                        v = tl.load(own_ptr + slot[:, None] * own_stride + cols[None, :], mask=m, other=0.0)
+                    else:
+                        src = shd.ptr_p2p(cinp_typed_ptr + slot * cinp_row_elems, p, ctx_ptr)
+                        v = tl.load(
+                            src[:, None] + cols[None, :], mask=(slot >= 0)[:, None] & cm[None, :], other=0.0
+                        )
+                    acc += v.to(tl.float32)
+                out = out_ptr + toks.to(tl.int64)[:, None] * h + cols[None, :]
+                tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & cm[None, :])
+                c += BLOCK
+            if HAS_W:
+                mk = tmask[:, None] & (ks < K)[None, :]
+                acc_w = tl.zeros([BT, K_P2], dtype=tl.float32)
+                for p in tl.static_range(W):
+                    slot = tl.load(dest_slot_ptr + p * M + toks, mask=tmask, other=-1)
+                    src_w = shd.ptr_p2p(cw_ptr + slot * K, p, ctx_ptr)
+                    acc_w += tl.load(src_w[:, None] + ks[None, :], mask=mk & (slot >= 0)[:, None], other=0.0)
+                tl.store(out_w_ptr + toks[:, None] * K + ks[None, :], acc_w, mask=mk)
+            t0 += step
+        # every program has read what it needed: the last one says so to every peer, then waits
+        # until every peer has read this rank's rows (nothing of this launch waits for it)
+        shd.fence(ctx_ptr)
+        ticket = tl.atomic_add(ctrl_ptr + TICKET_R, 1, sem="acq_rel", scope="sys")
+        if ticket == tl.num_programs(0) - 1:
+            tl.store(ctrl_ptr + TICKET_R, 0)
+            for q in tl.static_range(W):
+                shd.signal_op(ctrl_ptr + READ_C + me, 1, shd.SIGNAL_ADD, q, ctx_ptr)
+            for q in tl.static_range(W):
+                shd.wait_until(ctrl_ptr + READ_C + q, shd.SHMEM_CMP_GE, target)

@@ -521,7 +521,10 @@ class EpDispatchCombineOp:
             func, input, weights, scales, indices, routing
         )
         if self._kern is not None:
-            self._kern.dispatch_send(input, weights, scales, indices, routing, block_num, warp_per_block)
+            fused = self.config.kernel_type != KT.AsyncLL  # AsyncLL waits in dispatch_recv
+            self._kern.dispatch_send(
+                input, weights, scales, indices, routing, block_num, warp_per_block, recv=fused
+            )
             self._pending_dispatch = {
                 "routing": routing,
                 "n": input.shape[0],
@@ -658,7 +661,7 @@ class EpDispatchCombineOp:
         self._pending_dispatch = None
         if self._kern is not None:
             routing = pend["routing"]
-            self._kern.dispatch_recv(routing, pend["count"])
+            self._kern.dispatch_recv(routing, pend["count"], launch=self.config.kernel_type == KT.AsyncLL)
             if routing is not None:
                 self._last = routing
             else:
@@ -823,20 +826,16 @@ class EpDispatchCombineOp:
                 )
         self._check_indices(func, indices, handle.num_tokens)
         if self._kern is not None:
-            self._kern.combine_send(input, weights, routing, block_num, warp_per_block)
             out = torch.empty(self._m, h, dtype=input.dtype, device=input.device)
-            out_w = (
-                None
-                if weights is None
-                else torch.empty(self._m, self._k, dtype=torch.float32, device=out.device)
-            )
-            self._pending_combine = {
-                "handle": handle,
-                "routing": routing,
-                "out": out,
-                "out_w": out_w,
-                "launch": (block_num, warp_per_block),
-            }
+            out_w = None
+            if weights is not None:
+                out_w = torch.empty(self._m, self._k, dtype=torch.float32, device=out.device)
+            kern = self._kern.kernels
+            args = (input, weights, out, out_w, handle.num_tokens, routing, block_num, warp_per_block)
+            # one launch on a GPU; the interpreter (and AsyncLL's split) reduces in a second one
+            fused = self._kern.is_gpu and self.config.kernel_type != KT.AsyncLL
+            self._kern.combine(*args, phases=kern.STAGE | kern.REDUCE if fused else kern.STAGE)
+            self._pending_combine = {"kernel_args": None if fused else args}
             if self.config.kernel_type != KT.AsyncLL:
                 self._combine_recv(func)
             return out, out_w
@@ -910,11 +909,8 @@ class EpDispatchCombineOp:
         assert pend is not None
         self._pending_combine = None
         if self._kern is not None:
-            handle = pend["handle"]
-            block_num, warps = pend["launch"]
-            self._kern.combine_recv(
-                pend["out"], pend["out_w"], handle.num_tokens, pend["routing"], block_num, warps
-            )
+            if pend["kernel_args"] is not None:
+                self._kern.combine(*pend["kernel_args"], phases=self._kern.kernels.REDUCE)
             return
         self._wait_all(func, self.world_size, pend["epoch"])
         handle: EpDispatchRoutingHandle = pend["handle"]
