@@ -655,6 +655,8 @@ def run_gpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
         parent.recv()
         route = str(engine._route_name(local, remote))
         sess = engine.create_session(local, remote)
+        if sess is None:
+            raise SystemExit(f"mori bench io --device cuda: create_session returned None (route {route!r})")
         # byte-exact check: write [0, n), read it back into [n, 2n)
         n = min(4 * MiB, nbytes // 2)
         st = engine.write(local, 0, remote, 0, n, engine.allocate_transfer_uid())
@@ -729,20 +731,39 @@ def run_gpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
                     for o in offs:
                         dst[o : o + GPU_BATCH_BLOCK].copy_(src[o : o + GPU_BATCH_BLOCK])
 
-                mori_reps, copy_reps = [], []
                 post = session_post(sess, engine.allocate_transfer_uid, op, offs, sizes)
-                time_transfers(post, _CpuInitiator.mori_wait, 20)
-                for _ in range(args.reps):
-                    mori_reps.append(time_transfers(post, _CpuInitiator.mori_wait, 200))
-                    copy_reps.append(time_transfers(batch_copy, sync_both, 50))
-                m = summarize(GPU_BATCH * GPU_BATCH_BLOCK, mori_reps)
-                c = summarize(GPU_BATCH * GPU_BATCH_BLOCK, copy_reps)
+                xgmi_backend: Any = engine._backends[BackendType.XGMI]
+                figures: dict[str, Any] = {}
+                # the backend as configured (scatter-gather kernel at its threshold), then one copy per block
+                for label, threshold in (("mori", xgmi_backend.threshold), ("mori_copies", 0)):
+                    saved, xgmi_backend.threshold = xgmi_backend.threshold, threshold
+                    try:
+                        time_transfers(post, _CpuInitiator.mori_wait, 20)
+                        figures[label] = [
+                            time_transfers(post, _CpuInitiator.mori_wait, 200) for _ in range(args.reps)
+                        ]
+                    finally:
+                        xgmi_backend.threshold = saved
+                time_transfers(batch_copy, sync_both, 5)
+                figures["copy"] = [time_transfers(batch_copy, sync_both, 50) for _ in range(args.reps)]
+                m, mc, c = (
+                    summarize(GPU_BATCH * GPU_BATCH_BLOCK, figures[k])
+                    for k in ("mori", "mori_copies", "copy")
+                )
                 lat_rows.append(
-                    {"op": op, "latency": f"batch_{GPU_BATCH}x16KiB_strided", "mori": m, "copy": c}
+                    {
+                        "op": op,
+                        "latency": f"batch_{GPU_BATCH}x16KiB_strided",
+                        "scatter_gather_threshold": xgmi_backend.threshold,
+                        "mori": m,
+                        "mori_copy_per_block": mc,
+                        "copy": c,
+                    }
                 )
                 print(
                     f"{op} batch {GPU_BATCH} x 16 KiB (strided): mori median {m['median_lat_us']:.1f} us "
                     f"(avg {m['avg_lat_us']:.1f}, p99 {m['p99_lat_us']:.1f}, post {m['avg_post_us']:.1f}); "
+                    f"mori with one copy per block {mc['median_lat_us']:.1f} us; "
                     f"{GPU_BATCH} x copy_ median {c['median_lat_us']:.1f} us"
                 )
         parent.send(("stop",))

@@ -45,7 +45,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mori.core.env import EnvVar
@@ -287,7 +287,6 @@ class _Pending:
     local_id: int
     remote_key: str
     what: str
-    done: threading.Event = field(default_factory=threading.Event)
 
 
 class XgmiBackend:
@@ -576,7 +575,6 @@ class XgmiBackend:
             p.status._complete(code, message)
             with self._lock:
                 self._pending.discard(p)
-                p.done.set()
                 self._idle.notify_all()
 
     def _drain(self, match: Any, what: str) -> None:
