@@ -398,6 +398,21 @@ def test_supports_only_gpu_pairs_of_one_node_with_matching_handles(node: Node, s
         s.backend.close()
 
 
+def test_memory_ipc_cannot_share_is_registered_but_not_served(node: Node, sg: ModuleType) -> None:
+    a = make_side(node, sg, "a", 1000)
+    b = make_side(node, sg, "b", 1001)
+    connect(a, b)
+    host = (ctypes.c_uint8 * 4096)()  # not memory of the GPU driver: export_range refuses it
+    desc = MemoryDesc("a", 4242, 0, "", ctypes.addressof(host), 4096, GPU, -1, b"")
+    assert a.backend.on_register_memory(desc) is None
+    assert "is not GPU memory allocated with" in a.backend.export_errors[4242]
+    assert not a.backend.supports(desc, b.desc)
+    a.backend.on_deregister_memory(desc)
+    assert 4242 not in a.backend.export_errors
+    a.backend.close()
+    b.backend.close()
+
+
 def test_a_failed_copy_fails_the_status_with_the_driver_message(node: Node, sg: ModuleType) -> None:
     a = make_side(node, sg, "a", 1000)
     b = make_side(node, sg, "b", 1001)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -70,6 +71,8 @@ __all__ = [
     "merge_blocks",
     "plan",
 ]
+
+_log = logging.getLogger("mori.io")
 
 #: blocks larger than this never go through the scatter-gather kernel (copy engines do them better)
 SG_MAX_BLOCK = 1 << 20
@@ -313,6 +316,8 @@ class XgmiBackend:
         #: (engine key, region id) -> (handle bytes, opened segment)
         self._mapped: dict[tuple[str, int], tuple[bytes, Any]] = {}
         self._exported: dict[int, bytes] = {}
+        #: region id -> why it could not be exported (XGMI then does not serve it)
+        self.export_errors: dict[int, str] = {}
         self._dev: Any = None  # the runtime's device state, bound on first use
         self._streams: list[int] = []
         self._torch_streams: dict[int, Any] = {}
@@ -394,7 +399,16 @@ class XgmiBackend:
 
         if desc.loc != MemoryLocationType.GPU:
             return None
-        handle = self.runtime.export_range(desc.data, desc.size)
+        try:
+            handle = self.runtime.export_range(desc.data, desc.size)
+        except (MoriBackendError, MoriValueError) as e:
+            # the region stays registered (other backends may serve it); XGMI does not support it
+            _log.warning(
+                "XGMI: region %d cannot be shared with GPU IPC, XGMI will not serve it: %s", desc.id, e
+            )
+            with self._lock:
+                self.export_errors[desc.id] = str(e)
+            return None
         self._device()
         with self._lock:
             self._exported[desc.id] = handle
@@ -404,6 +418,7 @@ class XgmiBackend:
         self._drain(lambda p: p.local_id == desc.id, f"region {desc.id}")
         with self._lock:
             self._exported.pop(desc.id, None)
+            self.export_errors.pop(desc.id, None)
 
     def on_register_remote_engine(self, desc: EngineDesc) -> None:
         with self._lock:
