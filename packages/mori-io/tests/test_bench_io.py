@@ -161,3 +161,24 @@ def test_a_tiny_cpu_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     else:
         assert "NIXL baseline: unavailable (disabled (--nixl off))" in text
         assert all("nixl" not in r for r in rows)
+
+
+def test_a_missing_nixl_is_reported_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    import torch
+
+    monkeypatch.setitem(sys.modules, "nixl", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "nixl._api", None)
+    agent, why = bench._make_nixl("x", torch.zeros(16, dtype=torch.uint8))
+    assert agent is None and why.startswith("nixl is not importable") and "pip install nixl" in why
+
+
+def test_cuda_without_two_gpus_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has 2 GPUs")
+    args = build_parser().parse_args(["bench", "io", "--device", "cuda", "--json", "/dev/null"])
+    with pytest.raises(SystemExit, match="needs 2 GPUs"):
+        bench.run(args)
