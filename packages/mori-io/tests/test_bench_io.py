@@ -123,8 +123,10 @@ def test_plot_is_skipped_with_a_message_without_matplotlib(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nixl", ["off", "on"])
-def test_a_tiny_cpu_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str], nixl: str) -> None:
+@pytest.mark.parametrize(("nixl", "mode"), [("off", "engine"), ("on", "session")])
+def test_a_tiny_cpu_run_end_to_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], nixl: str, mode: str
+) -> None:
     if nixl == "on" and importlib.util.find_spec("nixl") is None:
         pytest.skip("nixl is not installed (pip install nixl): the baseline is optional")
     out = tmp_path / "io.json"
@@ -136,7 +138,7 @@ def test_a_tiny_cpu_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
         max_bytes=1 << 20,
         iters=3,
         reps=2,
-        mode="session",
+        mode=mode,
         tcp_cma="on",
         nixl=nixl,
         ucx_tls=None,
@@ -147,6 +149,7 @@ def test_a_tiny_cpu_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     text = capsys.readouterr().out
     record = json.loads(out.read_text())
     assert record["suite"] == "io" and record["config"]["verified"]["mori"] is True
+    assert record["config"]["mode"] == mode
     rows = record["rows"]
     assert [(r["op"], r["block"], r["batch"]) for r in rows] == bench.points(
         ["write", "read"], [4096, 65536], [1, 4], 1 << 20
