@@ -376,6 +376,47 @@ def test_statuses_complete_without_wait_and_mappings_are_cached(node: Node, sg: 
     b.backend.close()
 
 
+def test_concurrent_posts_from_several_threads(
+    node: Node, sg: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    monkeypatch.setenv(
+        "MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD", "0"
+    )  # copies only (the interpreter is not thread-safe)
+    a = make_side(node, sg, "a", 1000, num_streams=4, num_events=2)
+    b = make_side(node, sg, "b", 1001)
+    connect(a, b)
+    data = os.urandom(MiB)
+    _fill(a.base, data)
+    errors: list[str] = []
+
+    def worker(t: int) -> None:
+        for i in range(50):
+            off = (t * 50 + i) * 1024
+            st = a.backend.post(
+                "write", a.desc, [off, off + 512], b.desc, [off, off + 512 + 256], [256, 256], i
+            )
+            if not st.WaitFor(5000) or not st.Succeeded():
+                errors.append(st.Message())
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    for k in range(200):
+        off = k * 1024
+        assert _bytes(b.base + off, 256) == data[off : off + 256]
+        assert _bytes(b.base + off + 768, 256) == data[off + 512 : off + 768]
+    assert a.backend.counters["transfers"] == 200 and a.backend.counters["copies"] == 400
+    assert len(a.backend._free_events) <= 2  # at most num_events idle events are kept
+    assert a.rt.lib.calls.count("cuIpcOpenMemHandle_v2") <= 4
+    a.backend.close()
+    b.backend.close()
+
+
 def test_supports_only_gpu_pairs_of_one_node_with_matching_handles(node: Node, sg: ModuleType) -> None:
     a = make_side(node, sg, "a", 1000)
     b = make_side(node, sg, "b", 1001)
