@@ -185,3 +185,24 @@ def test_cuda_without_two_gpus_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     args = build_parser().parse_args(["bench", "io", "--device", "cuda", "--json", "/dev/null"])
     with pytest.raises(SystemExit, match="needs 2 GPUs"):
         bench.run(args)
+
+
+def test_pipelined_timing_and_stream_figures_by_hand() -> None:
+    posted: list[int] = []
+    waited: list[int] = []
+
+    def post() -> int:
+        posted.append(1)
+        return len(posted)
+
+    assert bench.time_pipelined(post, waited.append, 4) > 0
+    assert posted == [1] * 4 and waited == [1, 2, 3, 4]  # all posted before any wait
+    waited.clear()
+    bench.time_pipelined(post, waited.append, 3, wait_each=False)
+    assert waited == [7]  # only the last one
+    fig = bench.summarize(1_000_000, [([1e-3] * 2, [1e-4] * 2)])
+    out = bench.with_stream_figures(fig, 1_000_000, 10, [0.002, 0.004, 0.005])
+    assert out["gbps"] == pytest.approx(2.5) and (out["gbps_min"], out["gbps_max"]) == pytest.approx(
+        (2.0, 5.0)
+    )
+    assert out["sw_gbps"] == pytest.approx(1.0) and out["avg_lat_us"] == fig["avg_lat_us"]
