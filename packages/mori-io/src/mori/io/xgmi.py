@@ -566,6 +566,11 @@ class XgmiBackend:
 
     def _complete_loop(self) -> None:
         """The completion thread: waits for each transfer's events, in posting order."""
+        st0 = self._dev
+        try:  # keep the GPU current on this thread: each wait then costs no context switch
+            st0.drv.set_current_context(st0.ctx)
+        except Exception as e:  # not fatal: active() makes it current per wait instead
+            _log.debug("XGMI: completion thread could not keep the GPU current: %s", e)
         while True:
             p = self._queue.get()
             if p is None:
