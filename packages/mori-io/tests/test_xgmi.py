@@ -496,6 +496,46 @@ def test_same_process_regions_are_used_without_ipc(node: Node, sg: ModuleType) -
     backend.close()
 
 
+def test_kernel_reaches_own_gpu_and_ipc_mappings_only() -> None:
+    from mori.core.gpu.handles import KIND_RANGE, PciAddress, SegmentHandle
+
+    gpu0, gpu1 = PciAddress.parse("0000:1b:00.0"), PciAddress.parse("0000:2c:00.0")
+
+    def h(pci: PciAddress, pid: int) -> SegmentHandle:
+        return SegmentHandle(KIND_RANGE, pid, 0, pci, 4096, 0, 64, bytes(64))
+
+    assert xgmi.kernel_reaches(h(gpu0, 7), gpu0, 7)  # this GPU, this process
+    assert xgmi.kernel_reaches(h(gpu1, 8), gpu0, 7)  # another process: IPC enables peer access
+    assert not xgmi.kernel_reaches(h(gpu1, 7), gpu0, 7)  # another GPU of this process: maybe no peer access
+
+
+def test_batches_to_another_gpu_of_this_process_use_copy_engines(
+    node: Node, sg: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD", "2")
+    rt = node.runtime(1000, device=0)
+    backend = interpreted_backend_class(sg)("a", "node-a", rt)
+    here = Side(backend, rt, "a", gpu_alloc(rt, MiB), 0, MiB)
+    st = rt._state
+    with st.active():  # memory of GPU 1, allocated by this same process
+        ctx1 = st.drv.primary_context_retain(st.drv.device(1))
+        prev = st.drv.current_context()
+        st.drv.set_current_context(ctx1)
+        other = st.drv.mem_alloc(MiB)
+        st.drv.set_current_context(prev)
+    there = Side(backend, rt, "a", other, 0, MiB)
+    _fill(here.base, bytes(range(256)) * 16)
+    offs = [i * 512 for i in range(8)]
+    wait_ok(backend.post("write", here.desc, offs, there.desc, offs, [256] * 8, 1))
+    assert (backend.counters["kernel_launches"], backend.counters["copies"]) == (0, 8)
+    for o in offs:
+        assert _bytes(there.base + o, 256) == (bytes(range(256)) * 16)[o : o + 256]
+    # within GPU 0 the kernel is used
+    wait_ok(backend.post("write", here.desc, offs, here.desc, [MiB // 2 + o for o in offs], [256] * 8, 2))
+    assert backend.counters["kernel_launches"] == 1
+    backend.close()
+
+
 # -- through IOEngine ------------------------------------------------------------------------------------------
 
 

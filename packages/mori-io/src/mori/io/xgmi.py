@@ -68,6 +68,7 @@ __all__ = [
     "XgmiBackend",
     "create_backend",
     "find_gpu_runtime",
+    "kernel_reaches",
     "merge_blocks",
     "plan",
 ]
@@ -219,6 +220,14 @@ def plan(
     return Plan(d, s, n)
 
 
+def kernel_reaches(handle: Any, gpu_pci: Any, pid: int) -> bool:
+    """Whether a kernel on the GPU at ``gpu_pci`` of process ``pid`` may load and store the region
+    of ``handle`` (a decoded segment handle): memory of that same GPU, or another process's memory
+    mapped with IPC (which enables peer access). Memory of another GPU of this same process is not
+    mapped with IPC and peer access may be off, so its copies go to the copy engines instead."""
+    return bool(handle.pci == gpu_pci or handle.pid != pid)
+
+
 def find_gpu_runtime() -> GpuRuntime:
     """The usable GPU device runtime of the installed device plugins (``cuda`` from
     mori-backend-nvlink, ``hip`` from mori-backend-xgmi); raises :class:`MoriBackendError` saying
@@ -313,9 +322,11 @@ class XgmiBackend:
         self.threshold = MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD.get() or 0
         self._lock = threading.Lock()
         self._remote_nodes: dict[str, str] = {}
-        #: (engine key, region id) -> (handle bytes, opened segment)
-        self._mapped: dict[tuple[str, int], tuple[bytes, Any]] = {}
+        #: (engine key, region id) -> (handle bytes, opened segment, whether the kernel reaches it)
+        self._mapped: dict[tuple[str, int], tuple[bytes, Any, bool]] = {}
         self._exported: dict[int, bytes] = {}
+        #: region id -> whether the scatter-gather kernel may touch it (see kernel_reaches)
+        self._kernel_local: dict[int, bool] = {}
         #: region id -> why it could not be exported (XGMI then does not serve it)
         self.export_errors: dict[int, str] = {}
         self._dev: Any = None  # the runtime's device state, bound on first use
@@ -409,15 +420,18 @@ class XgmiBackend:
             with self._lock:
                 self.export_errors[desc.id] = str(e)
             return None
-        self._device()
+        st = self._device()
+        h = self.runtime.handle_class.unpack(handle)
         with self._lock:
             self._exported[desc.id] = handle
+            self._kernel_local[desc.id] = kernel_reaches(h, st.pci, self.runtime.pid)
         return handle
 
     def on_deregister_memory(self, desc: MemoryDesc) -> None:
         self._drain(lambda p: p.local_id == desc.id, f"region {desc.id}")
         with self._lock:
             self._exported.pop(desc.id, None)
+            self._kernel_local.pop(desc.id, None)
             self.export_errors.pop(desc.id, None)
 
     def on_register_remote_engine(self, desc: EngineDesc) -> None:
@@ -442,7 +456,7 @@ class XgmiBackend:
         if self._thread is not None:
             self._thread.join(10)
         with self._lock:
-            segments = [seg for _, seg in self._mapped.values()]
+            segments = [entry[1] for entry in self._mapped.values()]
             self._mapped.clear()
         for seg in segments:
             seg.close()
@@ -461,24 +475,27 @@ class XgmiBackend:
 
     # -- transfers -------------------------------------------------------------------------------------
 
-    def _remote_base(self, remote: MemoryDesc) -> int:
-        """Where ``remote``'s first byte is mapped in this process (opened on first use)."""
+    def _remote_base(self, remote: MemoryDesc) -> tuple[int, bool]:
+        """Where ``remote``'s first byte is mapped in this process (opened on first use), and
+        whether the scatter-gather kernel may touch it."""
         k = (remote.engine_key, remote.id)
         entry = self._mapped.get(k)
         if entry is not None and entry[0] == remote.ipc_handle:
-            return int(entry[1].addr)
+            return int(entry[1].addr), entry[2]
         try:
+            h = self.runtime.handle_class.unpack(remote.ipc_handle)
             seg = self.runtime.open_range(remote.ipc_handle)
         except Exception as e:
             raise MoriBackendError(
                 f"XGMI: cannot map region {remote.id} of engine {remote.engine_key!r}: {e}"
             ) from e
+        reach = kernel_reaches(h, self._device().pci, self.runtime.pid)
         with self._lock:
             old = self._mapped.pop(k, None)
-            self._mapped[k] = (remote.ipc_handle, seg)
+            self._mapped[k] = (remote.ipc_handle, seg, reach)
         if old is not None:
             old[1].close()
-        return int(seg.addr)
+        return int(seg.addr), reach
 
     def post(
         self,
@@ -495,7 +512,8 @@ class XgmiBackend:
         if self._closed:
             raise MoriBackendError("XGMI: the backend was removed")
         st = self._device()
-        rbase = self._remote_base(remote)
+        rbase, remote_reach = self._remote_base(remote)
+        kernel_ok = remote_reach and self._kernel_local.get(local.id, False)
         lbase = local.data
         if op == "write":
             copies = plan(rbase, remote_offsets, lbase, local_offsets, sizes)
@@ -504,7 +522,7 @@ class XgmiBackend:
         status = TransferStatus()
         what = f"XGMI {op} uid {uid} ({len(sizes)} blocks) with engine {remote.engine_key!r}"
         try:
-            events, table = self._enqueue(st, copies)
+            events, table = self._enqueue(st, copies, kernel_ok)
         except Exception as e:  # a driver call failed: the transfer fails, the backend stays
             status._complete(_ERR_GPU_OP, f"{what}: {e}")
             return status
@@ -516,10 +534,11 @@ class XgmiBackend:
         self._queue.put(pending)
         return status
 
-    def _enqueue(self, st: Any, copies: Plan) -> tuple[list[int], _Table | None]:
-        """Queue ``copies``; return the events recorded after them and the table used."""
+    def _enqueue(self, st: Any, copies: Plan, kernel_ok: bool = True) -> tuple[list[int], _Table | None]:
+        """Queue ``copies``; return the events recorded after them and the table used.
+        ``kernel_ok``: whether the scatter-gather kernel may touch both regions."""
         drv = st.drv
-        use_kernel = self.threshold > 0 and len(copies) >= self.threshold
+        use_kernel = kernel_ok and self.threshold > 0 and len(copies) >= self.threshold
         if use_kernel:
             small, large = copies.split(SG_MAX_BLOCK)
             use_kernel = len(small) >= self.threshold
