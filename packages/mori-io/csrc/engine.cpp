@@ -1043,7 +1043,7 @@ std::string Engine::route_of(const std::string& peer_key, uint64_t local_id, boo
 
 StatusPtr Engine::post(uint16_t op, uint64_t local_id, const std::string& peer_key, uint64_t remote_id,
                        const std::vector<uint64_t>& loffs, const std::vector<uint64_t>& roffs,
-                       const std::vector<uint64_t>& sizes, uint64_t uid, bool remote_cpu) {
+                       const std::vector<uint64_t>& sizes, uint64_t uid, bool remote_cpu, uint64_t remote_size) {
   auto st = std::make_shared<Status>();
   const size_t n = sizes.size();
   if (loffs.size() != n || roffs.size() != n) {
@@ -1051,7 +1051,16 @@ StatusPtr Engine::post(uint16_t op, uint64_t local_id, const std::string& peer_k
     return st;
   }
   std::vector<Seg> local_segs(n);
-  for (size_t i = 0; i < n; ++i) local_segs[i] = {loffs[i], sizes[i], 0};
+  for (size_t i = 0; i < n; ++i) {
+    local_segs[i] = {loffs[i], sizes[i], 0};
+    // The descriptor's size lets the initiator fail early; the target checks again on its side.
+    if (roffs[i] > remote_size || sizes[i] > remote_size - roffs[i]) {
+      st->complete(ERR_INVALID_ARGS, "remote offset " + std::to_string(roffs[i]) + " + size " +
+                                         std::to_string(sizes[i]) + " is outside the remote region (" +
+                                         std::to_string(remote_size) + " bytes)");
+      return st;
+    }
+  }
   std::string err;
   RegionPtr local = pin(local_id, local_segs.data(), n, &err);
   if (!local) {
@@ -1083,7 +1092,7 @@ StatusPtr Engine::post(uint16_t op, uint64_t local_id, const std::string& peer_k
     return st;
   }
   TcpConfig tcp = tcp_config();
-  uint32_t flags = tcp.enable_notification ? kFlagNotify : 0;
+  uint32_t flags = tcp.enable_notification ? uint32_t(kFlagNotify) : 0u;
   if (tcp.enable_cma && peer->same_node && peer->cma_ok && remote_cpu) flags |= kFlagCma;
   const uint64_t chunk = std::max<uint64_t>(tcp.chunk_bytes, 4096);
 

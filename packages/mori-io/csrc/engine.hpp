@@ -163,7 +163,7 @@ class Engine {
 
   StatusPtr post(uint16_t op, uint64_t local_id, const std::string& peer_key, uint64_t remote_id,
                  const std::vector<uint64_t>& loffs, const std::vector<uint64_t>& roffs,
-                 const std::vector<uint64_t>& sizes, uint64_t uid, bool remote_cpu);
+                 const std::vector<uint64_t>& sizes, uint64_t uid, bool remote_cpu, uint64_t remote_size);
 
   std::optional<std::pair<int, std::string>> pop_inbound(const std::string& key, uint64_t uid);
   std::string route_of(const std::string& peer_key, uint64_t local_id, bool remote_cpu);

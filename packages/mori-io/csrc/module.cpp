@@ -147,24 +147,24 @@ PYBIND11_MODULE(_engine, m) {
           "post",
           [](Engine& e, const std::string& op, uint64_t local_id, const std::string& key, uint64_t remote_id,
              std::vector<uint64_t> loffs, std::vector<uint64_t> roffs, std::vector<uint64_t> sizes, uint64_t uid,
-             bool remote_cpu) {
+             bool remote_cpu, uint64_t remote_size) {
             uint16_t o = op_code(op);
             py::gil_scoped_release nogil;
-            return e.post(o, local_id, key, remote_id, loffs, roffs, sizes, uid, remote_cpu);
+            return e.post(o, local_id, key, remote_id, loffs, roffs, sizes, uid, remote_cpu, remote_size);
           },
           py::arg("op"), py::arg("local_id"), py::arg("peer_key"), py::arg("remote_id"), py::arg("local_offsets"),
-          py::arg("remote_offsets"), py::arg("sizes"), py::arg("uid"), py::arg("remote_cpu"),
+          py::arg("remote_offsets"), py::arg("sizes"), py::arg("uid"), py::arg("remote_cpu"), py::arg("remote_size"),
           "Start a transfer of blocks; returns its TransferStatus.")
       .def(
           "post1",
           [](Engine& e, const std::string& op, uint64_t local_id, const std::string& key, uint64_t remote_id,
-             uint64_t loff, uint64_t roff, uint64_t size, uint64_t uid, bool remote_cpu) {
+             uint64_t loff, uint64_t roff, uint64_t size, uint64_t uid, bool remote_cpu, uint64_t remote_size) {
             uint16_t o = op_code(op);
             py::gil_scoped_release nogil;
-            return e.post(o, local_id, key, remote_id, {loff}, {roff}, {size}, uid, remote_cpu);
+            return e.post(o, local_id, key, remote_id, {loff}, {roff}, {size}, uid, remote_cpu, remote_size);
           },
           py::arg("op"), py::arg("local_id"), py::arg("peer_key"), py::arg("remote_id"), py::arg("local_offset"),
-          py::arg("remote_offset"), py::arg("size"), py::arg("uid"), py::arg("remote_cpu"),
+          py::arg("remote_offset"), py::arg("size"), py::arg("uid"), py::arg("remote_cpu"), py::arg("remote_size"),
           "Start a transfer of one block; returns its TransferStatus.")
       .def(
           "pop_inbound",

@@ -55,6 +55,7 @@ class Engine:
         sizes: list[int],
         uid: int,
         remote_cpu: bool,
+        remote_size: int,
     ) -> TransferStatus: ...
     def post1(
         self,
@@ -67,6 +68,7 @@ class Engine:
         size: int,
         uid: int,
         remote_cpu: bool,
+        remote_size: int,
     ) -> TransferStatus: ...
     def pop_inbound(self, key: str, uid: int) -> TransferStatus | None: ...
     def route_of(self, peer_key: str, local_id: int, remote_cpu: bool) -> str: ...

@@ -88,8 +88,9 @@ class _TcpBackend:
         uid: int,
     ) -> TransferStatus:
         cpu = remote.loc == MemoryLocationType.CPU
+        native = self._native
         if len(sizes) == 1:
-            return self._native.post1(
+            return native.post1(
                 op,
                 local.id,
                 remote.engine_key,
@@ -99,9 +100,10 @@ class _TcpBackend:
                 sizes[0],
                 uid,
                 cpu,
+                remote.size,
             )
-        return self._native.post(
-            op, local.id, remote.engine_key, remote.id, local_offsets, remote_offsets, sizes, uid, cpu
+        return native.post(
+            op, local.id, remote.engine_key, remote.id, local_offsets, remote_offsets, sizes, uid, cpu, remote.size
         )
 
     def on_register_memory(self, desc: MemoryDesc) -> bytes | None:
@@ -515,6 +517,23 @@ class IOEngine:
         uid: int,
         func: str | None = None,
     ) -> TransferStatus:
+        # Fast path for a cached TCP route: the native engine checks ranges itself (local against
+        # its table, remote against the descriptor, the target against its own table) and rejects
+        # anything that is not a non-negative int with TypeError; only then does the slow path run,
+        # to name the bad argument. Per-block Python checks would dominate a batch of 4 KiB blocks.
+        if type(local) is MemoryDesc and type(remote) is MemoryDesc:
+            backend = self._routes.get((local.id, remote.engine_key, remote.id))
+            if (
+                type(backend) is _TcpBackend
+                and len(loffs) == len(roffs) == len(sizes)
+                and local.engine_key == self.key
+                and local.id in self._local
+                and remote.engine_key in self._remotes
+            ):
+                try:
+                    return backend.post(op, local, loffs, remote, roffs, sizes, uid)
+                except TypeError:
+                    pass
         func = func or op
         bad = self._validate(func, local, loffs, remote, roffs, sizes, uid)
         if bad is not None:
