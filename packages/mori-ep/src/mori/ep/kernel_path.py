@@ -8,7 +8,6 @@ value on the host, so dispatch and combine can be captured in a CUDA graph and r
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,6 +15,7 @@ import torch
 
 import mori.shmem as shmem
 from mori.core.errors import MoriStateError
+from mori.ep import tuning
 
 if TYPE_CHECKING:
     from mori.ep.op import EpDispatchCombineOp, EpDispatchRoutingHandle
@@ -54,11 +54,12 @@ class TileConfig:
     block: int
 
     @staticmethod
-    def for_row(row_elems: int, target: int | None = None) -> TileConfig:
-        if target is None:  # tuning knob while the launch-config tables are being measured
-            target = int(os.environ.get("MORI_EP_TILE_ELEMS", "4096"))
+    def for_row(row_elems: int, target: int, n_rows: int, programs: int) -> TileConfig:
+        """About ``target`` elements: rows of up to 2048 elements per step, but no more rows than
+        each of ``programs`` gets of ``n_rows`` (a small batch is spread over every program)."""
         block = min(_pow2_at_least(row_elems), 2048)
-        return TileConfig(rows=max(1, min(16, target // block)), block=block)
+        share = _pow2_at_most(max(1, -(-n_rows // max(1, programs))))
+        return TileConfig(rows=max(1, min(16, target // block, share)), block=block)
 
 
 class KernelPath:
@@ -96,16 +97,39 @@ class KernelPath:
         )
         # Triton's num_warps is a power of two; AMD wavefronts are 64 wide, so at most 16 there
         self.max_warps = 16 if torch.version.hip else 32
+        #: (arch, model) naming the AUTO tables, e.g. ("sm90", "H200"); None on the CPU
+        self.model: tuple[str, str] | None = None
+        if self.is_gpu:
+            props = torch.cuda.get_device_properties(dev)
+            arch = getattr(props, "gcnArchName", "").split(":")[0] or f"sm{props.major}{props.minor}"
+            self.model = (arch, props.name.split()[-1])
 
     # -- geometry ------------------------------------------------------------------------------
 
-    def _grid(self, block_num: int) -> int:
-        n = self.op.config.block_num if block_num == -1 else block_num
-        return max(1, n)
-
-    def _warps(self, warp_per_block: int) -> int:
-        n = self.op.config.warp_num_per_block if warp_per_block == -1 else warp_per_block
-        return min(self.max_warps, _pow2_at_most(n))
+    def _geometry(
+        self, phase: str, block_num: int, warp_per_block: int, dtype: torch.dtype, n_tok: int, zero_copy: bool
+    ) -> tuple[int, int, int]:
+        """(programs, warps, tile elements): call arguments, else the AUTO table, else the config."""
+        cfg = self.op.config
+        rule = None
+        if self.model is not None and (block_num == -1 or warp_per_block == -1):
+            rule = tuning.lookup(
+                arch=self.model[0],
+                model=self.model[1],
+                kernel=cfg.kernel_type.name,
+                world=cfg.world_size,
+                phase=phase,
+                dtype=str(dtype).removeprefix("torch."),
+                num_tokens=n_tok,
+                hidden_dim=cfg.hidden_dim,
+                zero_copy=zero_copy,
+            )
+        if block_num == -1:
+            block_num = rule.block_num if rule else cfg.block_num
+        if warp_per_block == -1:
+            warp_per_block = rule.warp_per_block if rule else cfg.warp_num_per_block
+        tile = rule.tile_elems if rule and rule.tile_elems else tuning.DEFAULT_TILE_ELEMS[phase]
+        return max(1, block_num), min(self.max_warps, _pow2_at_most(warp_per_block)), tile
 
     # -- dispatch ------------------------------------------------------------------------------
 
@@ -129,7 +153,8 @@ class KernelPath:
         word = _word_size(nb, input.stride(0) * input.element_size(), input.data_ptr(), row_bytes)
         inp_w = _as_words(input, word)
         recv_w = _as_words(op._recv_tok, word)
-        tile = TileConfig.for_row(nb // word)
+        grid, warps, tile_elems = self._geometry("dispatch", block_num, warp_per_block, input.dtype, n, False)
+        tile = TileConfig.for_row(nb // word, tile_elems, n, grid)
         indices = indices.contiguous()
         wts = weights.contiguous() if weights is not None else op._recv_w  # unused when HAS_W=0
         if scales is not None:
@@ -138,7 +163,7 @@ class KernelPath:
         else:
             sc, sb, sc_stride = op._recv_scales, 0, 0
         dest_slot = routing.dest_slot if routing is not None else self.dest_slot
-        self.kernels.dispatch_kernel[(self._grid(block_num),)](
+        self.kernels.dispatch_kernel[(grid,)](
             inp_w,
             inp_w.stride(0),
             wts,
@@ -174,7 +199,7 @@ class KernelPath:
             BT=tile.rows,
             BLOCK=tile.block,
             SC_BLOCK=min(256, _pow2_at_least(max(sb, 1))),
-            num_warps=self._warps(warp_per_block),
+            num_warps=warps,
         )
 
     def dispatch_recv(self, routing: EpDispatchRoutingHandle | None, count: bool, launch: bool) -> None:
@@ -227,16 +252,18 @@ class KernelPath:
         inp_w = _as_words(input, word)
         cinp_w = _as_words(op._comb_inp, word)
         cinp_typed = op._comb_inp.view(input.dtype)
-        tile = TileConfig.for_row(h)
+        grid, warps, tile_elems = self._geometry(
+            "combine", block_num, warp_per_block, input.dtype, n_tok, zero_copy
+        )
+        if phases == kern.STAGE | kern.REDUCE:
+            # the reduction waits for every program's staging: all of them must be resident at once
+            grid = min(grid, self.resident_programs)
+        tile = TileConfig.for_row(h, tile_elems, n_tok, grid)
         src = routing if routing is not None else None
         recv_src = src.recv_src_pos if src is not None else op._recv_src
         total = src.total_recv if src is not None else self.total_recv
         dest_slot = src.dest_slot if src is not None else self.dest_slot
         wts = weights.contiguous() if weights is not None else self.comb_w  # unused when HAS_W=0
-        grid = self._grid(block_num)
-        if phases == kern.STAGE | kern.REDUCE:
-            # the reduction waits for every program's staging: all of them must be resident at once
-            grid = min(grid, self.resident_programs)
         kern.combine_kernel[(grid,)](
             inp_w,
             inp_w.stride(0),
@@ -269,7 +296,7 @@ class KernelPath:
             DO_REDUCE=bool(phases & kern.REDUCE),
             BT=tile.rows,
             BLOCK=tile.block,
-            num_warps=self._warps(warp_per_block),
+            num_warps=warps,
         )
 
 
