@@ -115,6 +115,31 @@ def test_plan_merges_like_merge_blocks(numpy: bool, monkeypatch: pytest.MonkeyPa
             assert p.largest() == max(b.size for b in expected)
 
 
+@pytest.mark.parametrize("n", [3, 64])  # the pure-Python and the numpy paths
+def test_out_of_range_names_the_first_bad_block(n: int) -> None:
+    offs, sizes = [i * 100 for i in range(n)], [100] * n
+    assert xgmi.out_of_range(offs, sizes, n * 100) == ""
+    assert xgmi.out_of_range(offs, sizes, n * 100 - 1) == (
+        f"block {n - 1}: offset {(n - 1) * 100} + size 100 is outside the region ({n * 100 - 1} bytes)"
+    )
+    bad = [*offs[:-2], -5, offs[-1]]
+    assert xgmi.out_of_range(bad, sizes, n * 100).startswith(f"block {n - 2}: offset -5")
+    assert xgmi.out_of_range(offs, [*sizes[:-1], -1], n * 100).startswith(f"block {n - 1}:")
+    assert xgmi.out_of_range(offs[:-1], sizes, n * 100) == f"{n - 1} offsets for {n} sizes"
+    with pytest.raises(TypeError):
+        xgmi.out_of_range([*offs[:-1], 1.5], sizes, n * 100)  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        xgmi.out_of_range(offs, [True] * n, n * 100)
+
+
+def test_status_codes_match_the_engine() -> None:
+    assert (
+        int(StatusCode.SUCCESS),
+        int(StatusCode.ERR_INVALID_ARGS),
+        int(StatusCode.ERR_GPU_OP),
+    ) == (xgmi._SUCCESS, xgmi._ERR_INVALID_ARGS, xgmi._ERR_GPU_OP)
+
+
 def test_word_bytes_is_the_widest_common_alignment() -> None:
     assert word_bytes([Block(64, 128, 4096)]) == 8
     assert word_bytes([Block(64, 128, 4096), Block(4, 8, 16)]) == 4
@@ -468,6 +493,28 @@ def test_a_failed_copy_fails_the_status_with_the_driver_message(node: Node, sg: 
     assert st.WaitFor(5000) and st.Code() == StatusCode.ERR_GPU_OP and "cuEventSynchronize" in st.Message()
     del a.rt.lib.fail["cuEventSynchronize"]
     wait_ok(a.backend.post("write", a.desc, [0], b.desc, [0], [4096], 7))  # the backend still works
+    a.backend.close()
+    b.backend.close()
+
+
+def test_blocks_outside_either_region_fail_and_copy_nothing(node: Node, sg: ModuleType) -> None:
+    a = make_side(node, sg, "a", 1000, size=64 * 1024)
+    b = make_side(node, sg, "b", 1001, size=64 * 1024)
+    connect(a, b)
+    assert a.backend.checks_ranges
+    _fill(a.base, b"\x11" * 4096)
+    for loffs, roffs, sizes, side in (
+        ([0], [64 * 1024 - 8], [16], "remote"),
+        ([64 * 1024 - 8], [0], [16], "local"),
+        ([i * 64 for i in range(20)], [i * 64 for i in range(19)] + [1 << 20], [64] * 20, "remote"),
+    ):
+        st = a.backend.post("write", a.desc, loffs, b.desc, roffs, sizes, 9)
+        assert st.Failed() and st.Code() == StatusCode.ERR_INVALID_ARGS
+        assert st.Message().startswith(
+            f"XGMI write uid 9 ({len(sizes)} blocks) with engine 'b': {side} block"
+        )
+    assert _bytes(b.base, 4096) == bytes(4096)  # nothing was copied
+    assert a.backend.counters["transfers"] == 0
     a.backend.close()
     b.backend.close()
 

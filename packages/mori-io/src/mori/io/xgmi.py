@@ -69,6 +69,7 @@ __all__ = [
     "create_backend",
     "find_gpu_runtime",
     "kernel_reaches",
+    "out_of_range",
     "merge_blocks",
     "plan",
 ]
@@ -103,8 +104,10 @@ MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD = EnvVar(
     "a whole number >= 0 (0 = never use the kernel)",
 )
 
-# StatusCode values (mori.io.StatusCode); kept here so this module imports without the native engine
+# StatusCode values (mori.io.StatusCode; a test checks them); kept here so this module imports
+# without the native engine
 _SUCCESS = 0
+_ERR_INVALID_ARGS = 3
 _ERR_GPU_OP = 7
 
 
@@ -220,6 +223,32 @@ def plan(
     return Plan(d, s, n)
 
 
+def out_of_range(offsets: Sequence[int], sizes: Sequence[int], limit: int) -> str:
+    """``""`` if every ``[offset, offset + size)`` lies in ``[0, limit)``, else what is wrong with
+    the first block that does not. Raises TypeError unless offsets and sizes are ints."""
+    if len(offsets) != len(sizes):
+        return f"{len(offsets)} offsets for {len(sizes)} sizes"
+    if _np is not None and len(sizes) >= 8:
+        o, n = _np.asarray(offsets), _np.asarray(sizes)
+        if o.dtype.kind not in "iu" or n.dtype.kind not in "iu":
+            raise TypeError("offsets and sizes must be ints")
+        bad = (o < 0) | (n < 0) | (o + n > limit)
+        if not bad.any():
+            return ""
+        i = int(_np.flatnonzero(bad)[0])
+    else:
+        i = -1
+        for k, (off, size) in enumerate(zip(offsets, sizes, strict=True)):
+            if type(off) is not int or type(size) is not int:
+                raise TypeError("offsets and sizes must be ints")
+            if off < 0 or size < 0 or off + size > limit:
+                i = k
+                break
+        if i < 0:
+            return ""
+    return f"block {i}: offset {offsets[i]} + size {sizes[i]} is outside the region ({limit} bytes)"
+
+
 def kernel_reaches(handle: Any, gpu_pci: Any, pid: int) -> bool:
     """Whether a kernel on the GPU at ``gpu_pci`` of process ``pid`` may load and store the region
     of ``handle`` (a decoded segment handle): memory of that same GPU, or another process's memory
@@ -307,6 +336,8 @@ class XgmiBackend:
     from :class:`~mori.io.XgmiBackendConfig`."""
 
     preference = 100
+    #: post() checks every block against both regions itself (the engine may skip its per-block checks)
+    checks_ranges = True
 
     def __init__(
         self, key: str, node_id: str, runtime: GpuRuntime, num_streams: int = 64, num_events: int = 64
@@ -511,6 +542,14 @@ class XgmiBackend:
 
         if self._closed:
             raise MoriBackendError("XGMI: the backend was removed")
+        status = TransferStatus()
+        what = f"XGMI {op} uid {uid} ({len(sizes)} blocks) with engine {remote.engine_key!r}"
+        # the target takes no part in a GPU copy: these checks are the only ones (the engine may skip its own)
+        for side, offsets, desc in (("local", local_offsets, local), ("remote", remote_offsets, remote)):
+            why = out_of_range(offsets, sizes, desc.size)
+            if why:
+                status._complete(_ERR_INVALID_ARGS, f"{what}: {side} {why}")
+                return status
         st = self._device()
         rbase, remote_reach = self._remote_base(remote)
         kernel_ok = remote_reach and self._kernel_local.get(local.id, False)
@@ -519,8 +558,6 @@ class XgmiBackend:
             copies = plan(rbase, remote_offsets, lbase, local_offsets, sizes)
         else:
             copies = plan(lbase, local_offsets, rbase, remote_offsets, sizes)
-        status = TransferStatus()
-        what = f"XGMI {op} uid {uid} ({len(sizes)} blocks) with engine {remote.engine_key!r}"
         try:
             events, table = self._enqueue(st, copies, kernel_ok)
         except Exception as e:  # a driver call failed: the transfer fails, the backend stays
