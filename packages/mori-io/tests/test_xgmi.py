@@ -1,5 +1,5 @@
 """The XGMI backend without a GPU: the scatter-gather kernel under the Triton interpreter, and the
-backend's real code on the fake CUDA driver of mori.testing (device memory is host memory there, an
+backend's real code on the fake CUDA and HIP drivers of mori.testing (device memory is host memory there, an
 IPC open maps the same memory again at another address, two fake runtimes play two processes).
 
 The tests marked ``cuda`` run the backend on real GPUs (two of them) through the public API.
@@ -14,6 +14,7 @@ import random
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -36,7 +37,6 @@ from mori.io import (
 from mori.io.xgmi import Block, XgmiBackend, merge_blocks, word_bytes
 
 ROOT = Path(__file__).resolve().parents[3]
-NVLINK = ROOT / "backends" / "nvlink"
 MiB = 1 << 20
 GPU = int(MemoryLocationType.GPU)
 
@@ -201,53 +201,101 @@ def test_scatter_gather_kernel_carries_aot_specs_for_every_word(sg: ModuleType) 
     assert all(set(s.signature) == {"desc_ptr", "n_blocks", "split"} for s in specs)
 
 
-# -- the backend on the fake CUDA driver ---------------------------------------------------------------------
+# -- the backend on the fake GPU drivers (CUDA and HIP) ----------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def fake_cuda() -> tuple[Any, Any]:
-    """(fake runtime class, fake library class) of mori-backend-nvlink's tests."""
-    if importlib.util.find_spec("mori_backend_nvlink") is None:
-        if not (NVLINK / "src").is_dir():
-            pytest.skip("mori-backend-nvlink is neither installed nor in this checkout")
-        sys.path.insert(0, str(NVLINK / "src"))
-    from mori_backend_nvlink.driver import CudaDriver
-    from mori_backend_nvlink.runtime import CudaRuntime
-    from mori_backend_nvlink.transport import P2PTransport
+@dataclass(frozen=True)
+class Vendor:
+    """One device plugin as these tests use it: its fake runtime class, fake library class, the
+    C names of the calls the tests break or count, and the other vendor's handle magic."""
+
+    name: str
+    runtime_class: Any
+    lib_class: Any
+    world_class: Any
+    names: dict[str, str]
+    other_magic: bytes
+
+    def call(self, op: str) -> str:
+        return self.names[op]
+
+
+# plugin directory, package, runtime/driver/transport classes, fake module, fake library class, GpuBackend fields
+_VENDORS: dict[str, dict[str, Any]] = {
+    "nvlink": {
+        "package": "mori_backend_nvlink",
+        "classes": ("runtime.CudaRuntime", "driver.CudaDriver", "transport.P2PTransport"),
+        "fake": ("_fake_cuda.py", "FakeCudaLib"),
+        "library": "libcuda.so.1",
+        "memcpy": "cuMemcpyAsync",
+        "other_magic": b"MXGM",
+    },
+    "xgmi": {
+        "package": "mori_backend_xgmi",
+        "classes": ("runtime.HipRuntime", "driver.HipDriver", "transport.XgmiTransport"),
+        "fake": ("_fake_hip.py", "FakeHipLib"),
+        "library": "libamdhip64.so",
+        "memcpy": "hipMemcpyAsync",
+        "other_magic": b"MNVL",
+    },
+}
+
+
+@pytest.fixture(scope="session", params=sorted(_VENDORS))
+def vendor(request: pytest.FixtureRequest) -> Vendor:
+    """Each GPU device plugin of this checkout (or installed), on its fake driver library."""
+    import importlib
 
     from mori.testing.gpu_runtime import GpuBackend, fake_runtime_class
 
-    fake = _load("mori_io_fake_cuda", str(NVLINK / "tests" / "_fake_cuda.py"))
+    name = str(request.param)
+    v = _VENDORS[name]
+    plugin = ROOT / "backends" / name
+    if importlib.util.find_spec(v["package"]) is None:
+        if not (plugin / "src").is_dir():
+            pytest.skip(f"{v['package']} is neither installed nor in this checkout")
+        sys.path.insert(0, str(plugin / "src"))
+    runtime_class, driver_class, transport_class = (
+        getattr(importlib.import_module(f"{v['package']}.{mod}"), cls)
+        for mod, cls in (c.rsplit(".", 1) for c in v["classes"])
+    )
+    fake = _load(f"mori_io_fake_{name}", str(plugin / "tests" / v["fake"][0]))
+    lib_class = getattr(fake, v["fake"][1])
     backend = GpuBackend(
-        runtime_class=CudaRuntime,
-        driver_class=CudaDriver,
-        transport_class=P2PTransport,
-        fake_lib=fake.FakeCudaLib,
-        library="libcuda.so.1",
-        missing_why="no NVIDIA driver",
+        runtime_class=runtime_class,
+        driver_class=driver_class,
+        transport_class=transport_class,
+        fake_lib=lib_class,
+        library=v["library"],
+        missing_why="",
         no_devices_reason="",
-        other_runtime="hip",
-        heap_alloc_call="cuMemAlloc_v2",
-        memcpy_call="cuMemcpyAsync",
-        context_calls=("cuCtxGetCurrent", "cuCtxSetCurrent"),
+        other_runtime="",
+        heap_alloc_call="",
+        memcpy_call=v["memcpy"],
+        context_calls=(),
         memcpy_failure="",
     )
-    return fake_runtime_class(backend), fake
+    names = {op: str(driver_class.NAMES[op]) for op in ("ipc_open", "ipc_close", "event_synchronize")}
+    names["memcpy"] = v["memcpy"]
+    return Vendor(name, fake_runtime_class(backend), lib_class, fake.FakeWorld, names, v["other_magic"])
 
 
 class Node:
     """Fake processes of one node: ``runtime(pid, device)`` makes one, ``close()`` frees them all."""
 
-    def __init__(self, runtime_class: Any, fake: Any) -> None:
-        self.runtime_class = runtime_class
-        self.fake = fake
-        self.world = fake.FakeWorld()
+    def __init__(self, vendor: Vendor) -> None:
+        self.vendor = vendor
+        self.world = vendor.world_class()
         self.libs: list[Any] = []
 
+    def call(self, op: str) -> str:
+        """The C name of driver operation ``op`` (ipc_open, ipc_close, event_synchronize, memcpy)."""
+        return self.vendor.call(op)
+
     def runtime(self, pid: int, device: int = 0) -> Any:
-        lib = self.fake.FakeCudaLib(self.world)
+        lib = self.vendor.lib_class(self.world)
         self.libs.append(lib)
-        return self.runtime_class(lib, device=device, pid=pid)
+        return self.vendor.runtime_class(lib, device=device, pid=pid)
 
     def close(self) -> None:
         for lib in self.libs:
@@ -256,8 +304,8 @@ class Node:
 
 
 @pytest.fixture
-def node(fake_cuda: tuple[Any, Any]) -> Iterator[Node]:
-    n = Node(*fake_cuda)
+def node(vendor: Vendor) -> Iterator[Node]:
+    n = Node(vendor)
     yield n
     n.close()
 
@@ -392,7 +440,7 @@ def test_statuses_complete_without_wait_and_mappings_are_cached(node: Node, sg: 
     while not all(s.Succeeded() for s in statuses) and time.monotonic() < deadline:
         time.sleep(0.001)  # nobody calls Wait(): the completion thread finishes them
     assert all(s.Succeeded() for s in statuses)
-    assert a.rt.lib.calls.count("cuIpcOpenMemHandle_v2") == 1
+    assert a.rt.lib.calls.count(node.call("ipc_open")) == 1
     # forgetting the remote engine unmaps its regions
     a.backend.on_deregister_remote_engine(EngineDesc("b", "node-a", "h", "127.0.0.1", 1, 2))
     assert a.rt.lib.opened == {}
@@ -437,7 +485,7 @@ def test_concurrent_posts_from_several_threads(
         assert _bytes(b.base + off + 768, 256) == data[off + 512 : off + 768]
     assert a.backend.counters["transfers"] == 200 and a.backend.counters["copies"] == 400
     assert len(a.backend._free_events) <= 2  # at most num_events idle events are kept
-    assert a.rt.lib.calls.count("cuIpcOpenMemHandle_v2") <= 4
+    assert a.rt.lib.calls.count(node.call("ipc_open")) <= 4
     a.backend.close()
     b.backend.close()
 
@@ -456,7 +504,7 @@ def test_supports_only_gpu_pairs_of_one_node_with_matching_handles(node: Node, s
     assert not a.backend.supports(a.desc, bigger)
     moved = MemoryDesc(**{**b.desc.__dict__, "data": b.desc.data - 64})
     assert not a.backend.supports(a.desc, moved)
-    foreign = MemoryDesc(**{**b.desc.__dict__, "ipc_handle": b"MXGM" + b.desc.ipc_handle[4:]})
+    foreign = MemoryDesc(**{**b.desc.__dict__, "ipc_handle": node.vendor.other_magic + b.desc.ipc_handle[4:]})
     assert not a.backend.supports(a.desc, foreign)
     assert not a.backend.supports(b.desc, b.desc)  # local_desc must be this engine's
     assert a.backend.on_register_memory(MemoryDesc("a", 99, -1, "", 4096, 64, 1, -1, b"")) is None
@@ -483,15 +531,16 @@ def test_a_failed_copy_fails_the_status_with_the_driver_message(node: Node, sg: 
     a = make_side(node, sg, "a", 1000)
     b = make_side(node, sg, "b", 1001)
     connect(a, b)
-    a.rt.lib.fail["cuMemcpyAsync"] = 700
+    memcpy, sync = node.call("memcpy"), node.call("event_synchronize")
+    a.rt.lib.fail[memcpy] = 700
     st = a.backend.post("write", a.desc, [0], b.desc, [0], [4096], 5)
     assert st.Failed() and st.Code() == StatusCode.ERR_GPU_OP
-    assert "cuMemcpyAsync failed" in st.Message() and "uid 5" in st.Message()
-    del a.rt.lib.fail["cuMemcpyAsync"]
-    a.rt.lib.fail["cuEventSynchronize"] = 700
+    assert f"{memcpy} failed" in st.Message() and "uid 5" in st.Message()
+    del a.rt.lib.fail[memcpy]
+    a.rt.lib.fail[sync] = 700
     st = a.backend.post("write", a.desc, [0], b.desc, [0], [4096], 6)
-    assert st.WaitFor(5000) and st.Code() == StatusCode.ERR_GPU_OP and "cuEventSynchronize" in st.Message()
-    del a.rt.lib.fail["cuEventSynchronize"]
+    assert st.WaitFor(5000) and st.Code() == StatusCode.ERR_GPU_OP and sync in st.Message()
+    del a.rt.lib.fail[sync]
     wait_ok(a.backend.post("write", a.desc, [0], b.desc, [0], [4096], 7))  # the backend still works
     a.backend.close()
     b.backend.close()
@@ -523,7 +572,7 @@ def test_an_unmappable_region_raises_for_failover(node: Node, sg: ModuleType) ->
     a = make_side(node, sg, "a", 1000)
     b = make_side(node, sg, "b", 1001)
     connect(a, b)
-    a.rt.lib.fail["cuIpcOpenMemHandle_v2"] = 1
+    a.rt.lib.fail[node.call("ipc_open")] = 1
     with pytest.raises(MoriBackendError, match=r"XGMI: cannot map region .* of engine 'b'"):
         a.backend.post("write", a.desc, [0], b.desc, [0], [64], 1)
     a.backend.close()
@@ -539,7 +588,7 @@ def test_same_process_regions_are_used_without_ipc(node: Node, sg: ModuleType) -
     _fill(x.base, b"hello xgmi")
     wait_ok(backend.post("write", x.desc, [0], y.desc, [100], [10], 1))
     assert _bytes(y.base + 100, 10) == b"hello xgmi"
-    assert "cuIpcOpenMemHandle_v2" not in rt.lib.calls
+    assert node.call("ipc_open") not in rt.lib.calls
     backend.close()
 
 
