@@ -206,3 +206,22 @@ def test_pipelined_timing_and_stream_figures_by_hand() -> None:
         (2.0, 5.0)
     )
     assert out["sw_gbps"] == pytest.approx(1.0) and out["avg_lat_us"] == fig["avg_lat_us"]
+
+
+def _dies() -> None:
+    raise SystemExit(3)
+
+
+def test_a_target_that_dies_is_reported_at_once() -> None:
+    import multiprocessing as mp
+    import time
+
+    ctx = mp.get_context("spawn")
+    parent, _child = ctx.Pipe()
+    proc = ctx.Process(target=_dies)
+    proc.start()
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit, match="exited with code 3 before it was ready"):
+        bench.await_target(parent, proc, 60.0)
+    assert time.monotonic() - t0 < 30
+    proc.join()

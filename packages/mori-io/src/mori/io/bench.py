@@ -296,6 +296,20 @@ def _make_nixl(name: str, buf: Any) -> tuple[Any, str]:
         return None, f"nixl agent creation failed: {type(e).__name__}: {e}"
 
 
+def await_target(conn: Any, proc: Any, timeout_s: float) -> Any:
+    """The target's first message; SystemExit if it exits first (with its exit code) or stays silent."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(0.2):
+        if not proc.is_alive():
+            raise SystemExit(
+                f"mori bench io: the target process exited with code {proc.exitcode} before it was ready "
+                "(its error is printed above)"
+            )
+        if time.monotonic() > deadline:
+            raise SystemExit(f"mori bench io: the target process was not ready within {timeout_s:.0f} s")
+    return conn.recv()
+
+
 def _target(conn: Any, nbytes: int, cma: bool, use_nixl: bool, env: dict[str, str]) -> None:
     """The target process: owns registered memory, answers digests, exits on "stop"."""
     os.environ.update(env)
@@ -572,9 +586,7 @@ def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
     proc = ctx.Process(target=_target, args=(child, nbytes, args.tcp_cma == "on", args.nixl == "on", env))
     proc.start()
     try:
-        if not parent.poll(120):
-            raise SystemExit("mori bench io: the target process did not start within 120 s")
-        hello = parent.recv()
+        hello = await_target(parent, proc, 120.0)
         ini = _CpuInitiator(args, parent, hello, nbytes)
         check = min(4 * MiB, nbytes // 2)
         verified = ini.verify(check)
@@ -674,9 +686,7 @@ def run_gpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
     proc = ctx.Process(target=_gpu_target, args=(child, nbytes))
     proc.start()
     try:
-        if not parent.poll(300):
-            raise SystemExit("mori bench io: the GPU target process did not start within 300 s")
-        hello = parent.recv()
+        hello = await_target(parent, proc, 300.0)
         torch.cuda.set_device(0)
         dev0, dev1 = torch.device("cuda", 0), torch.device("cuda", 1)
         buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev0)
