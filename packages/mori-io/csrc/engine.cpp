@@ -40,6 +40,7 @@ int64_t now_ms() {
 std::string errno_text(int e) { return std::string(strerror(e)) + " (errno " + std::to_string(e) + ")"; }
 
 constexpr size_t kIovBatch = 1024;  // IOV_MAX on Linux
+const char* const kTimedOut = "timed out";  // a socket send/receive timeout (SO_SNDTIMEO/SO_RCVTIMEO) fired
 
 // Moves `total` bytes through sendmsg/readv-like calls over an iovec list, advancing on partial
 // progress. `fn(iov, n)` returns bytes moved or -1 with errno. On failure returns the reason.
@@ -55,7 +56,7 @@ std::string move_iov(std::vector<iovec>& iov, Fn fn, std::atomic<int64_t>* progr
     ssize_t r = fn(&iov[i], n);
     if (r < 0) {
       if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return "timed out (control-plane timeout)";
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return kTimedOut;
       return errno_text(errno);
     }
     if (r == 0) return "connection closed by peer";
@@ -108,13 +109,40 @@ std::string drain(int fd, uint64_t len) {
   return "";
 }
 
+// With `would_block`, the first sendmsg does not wait: if the socket buffer is full before a byte
+// went out, *would_block is set and nothing is sent (the caller hands the message to its sender
+// thread instead of blocking). Once a byte is out, the rest is sent blocking.
 std::string send_msg(int fd, const Header& h, const void* body, const std::vector<iovec>* payload,
-                     std::atomic<int64_t>* progress) {
+                     std::atomic<int64_t>* progress, bool* would_block = nullptr) {
   std::vector<iovec> iov;
   iov.reserve(2 + (payload ? payload->size() : 0));
   iov.push_back({const_cast<Header*>(&h), sizeof h});
   if (h.body_len) iov.push_back({const_cast<void*>(body), h.body_len});
   if (payload) iov.insert(iov.end(), payload->begin(), payload->end());
+  if (would_block) {
+    *would_block = false;
+    msghdr m{};
+    m.msg_iov = iov.data();
+    m.msg_iovlen = std::min(kIovBatch, iov.size());
+    ssize_t r;
+    do {
+      r = ::sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+    } while (r < 0 && errno == EINTR);
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      *would_block = true;
+      return "";
+    }
+    if (r < 0) return errno_text(errno);
+    if (progress) progress->store(now_ms(), std::memory_order_relaxed);
+    size_t left = size_t(r), i = 0;
+    while (left > 0 && i < iov.size()) {
+      size_t take = std::min(left, iov[i].iov_len);
+      iov[i].iov_base = static_cast<char*>(iov[i].iov_base) + take;
+      iov[i].iov_len -= take;
+      left -= take;
+      if (iov[i].iov_len == 0) ++i;
+    }
+  }
   return send_iov(fd, iov, progress);
 }
 
@@ -318,10 +346,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
           std::lock_guard<std::mutex> g(qmu_);
           idle = q_.empty();
         }
-        if (idle) {
-          send_part(id, *p);
-          return;
-        }
+        if (idle && send_part(id, *p, /*nonblocking_start=*/true)) return;
       }
     }
     {
@@ -331,7 +356,10 @@ class Conn : public std::enable_shared_from_this<Conn> {
     qcv_.notify_one();
   }
 
-  void fail(const std::string& why) {
+  void fail(std::string why) {
+    const std::string timed_out = kTimedOut;
+    if (why.size() >= timed_out.size() && why.compare(why.size() - timed_out.size(), timed_out.size(), timed_out) == 0)
+      why += ": no progress within MORI_IO_CP_TIMEOUT_MS=" + std::to_string(eng_->cp_timeout_ms()) + " ms";
     std::unordered_map<uint64_t, PartPtr> parts;
     {
       std::lock_guard<std::mutex> g(pmu_);
@@ -359,7 +387,8 @@ class Conn : public std::enable_shared_from_this<Conn> {
   }
 
  private:
-  void send_part(uint64_t id, const Part& p) {
+  // Returns false only with nonblocking_start when nothing could be sent without waiting.
+  bool send_part(uint64_t id, const Part& p, bool nonblocking_start = false) {
     Header h = make_header(p.op);
     h.flags = p.flags;
     h.req_id = id;
@@ -378,8 +407,11 @@ class Conn : public std::enable_shared_from_this<Conn> {
       payload.reserve(p.segs.size());
       for (const Seg& s : p.segs) payload.push_back({reinterpret_cast<void*>(s.addr), s.len});
     }
-    std::string err = send_msg(fd_, h, wire.data(), &payload, &last_progress_);
+    bool would_block = false;
+    std::string err =
+        send_msg(fd_, h, wire.data(), &payload, &last_progress_, nonblocking_start ? &would_block : nullptr);
     if (!err.empty()) fail("send failed: " + err);
+    return !would_block;
   }
 
   void tx_loop() {
