@@ -84,6 +84,8 @@ TABLE_ENTRIES = 4096
 SG_BYTES_PER_PROGRAM = 64 << 10
 #: most programs per block
 SG_MAX_SPLIT = 16
+#: batches of at least this many blocks are planned and checked with numpy (fewer: plain Python)
+NUMPY_MIN_BLOCKS = 8
 
 
 def _threshold(text: str) -> int:
@@ -164,6 +166,8 @@ class Plan:
 
     def split(self, limit: int) -> tuple[Plan, Plan]:
         """(blocks of at most ``limit`` bytes, the larger ones)."""
+        if self.largest() <= limit:
+            return self, Plan([], [], [])
         if not isinstance(self.size, list):  # numpy arrays
             small = self.size <= limit
             large = ~small
@@ -193,7 +197,9 @@ class Plan:
         return 1
 
     def largest(self) -> int:
-        return int(max(self.size)) if len(self) else 0
+        if not len(self):
+            return 0
+        return int(max(self.size)) if isinstance(self.size, list) else int(self.size.max())
 
 
 def plan(
@@ -201,7 +207,7 @@ def plan(
 ) -> Plan:
     """The copies of one transfer: addresses are base + offset; adjacent blocks that continue each
     other on both sides are merged (as :func:`merge_blocks`); zero-sized blocks are dropped."""
-    if _np is None or len(sizes) < 4:
+    if _np is None or len(sizes) < NUMPY_MIN_BLOCKS:
         bl = merge_blocks([dst_base + o for o in dst_offsets], [src_base + o for o in src_offsets], sizes)
         return Plan([b.dst for b in bl], [b.src for b in bl], [b.size for b in bl])
     d = _np.asarray(dst_offsets, dtype=_np.int64) + dst_base
@@ -228,7 +234,7 @@ def out_of_range(offsets: Sequence[int], sizes: Sequence[int], limit: int) -> st
     the first block that does not. Raises TypeError unless offsets and sizes are ints."""
     if len(offsets) != len(sizes):
         return f"{len(offsets)} offsets for {len(sizes)} sizes"
-    if _np is not None and len(sizes) >= 8:
+    if _np is not None and len(sizes) >= NUMPY_MIN_BLOCKS:
         o, n = _np.asarray(offsets), _np.asarray(sizes)
         if o.dtype.kind not in "iu" or n.dtype.kind not in "iu":
             raise TypeError("offsets and sizes must be ints")
@@ -544,9 +550,14 @@ class XgmiBackend:
             raise MoriBackendError("XGMI: the backend was removed")
         status = TransferStatus()
         what = f"XGMI {op} uid {uid} ({len(sizes)} blocks) with engine {remote.engine_key!r}"
+        lo: Any = local_offsets
+        ro: Any = remote_offsets
+        ns: Any = sizes
+        if _np is not None and len(sizes) >= NUMPY_MIN_BLOCKS:  # convert once for the checks and the plan
+            lo, ro, ns = _np.asarray(lo), _np.asarray(ro), _np.asarray(ns)
         # the target takes no part in a GPU copy: these checks are the only ones (the engine may skip its own)
-        for side, offsets, desc in (("local", local_offsets, local), ("remote", remote_offsets, remote)):
-            why = out_of_range(offsets, sizes, desc.size)
+        for side, offsets, desc in (("local", lo, local), ("remote", ro, remote)):
+            why = out_of_range(offsets, ns, desc.size)
             if why:
                 status._complete(_ERR_INVALID_ARGS, f"{what}: {side} {why}")
                 return status
@@ -555,9 +566,9 @@ class XgmiBackend:
         kernel_ok = remote_reach and self._kernel_local.get(local.id, False)
         lbase = local.data
         if op == "write":
-            copies = plan(rbase, remote_offsets, lbase, local_offsets, sizes)
+            copies = plan(rbase, ro, lbase, lo, ns)
         else:
-            copies = plan(lbase, local_offsets, rbase, remote_offsets, sizes)
+            copies = plan(lbase, lo, rbase, ro, ns)
         try:
             events, table = self._enqueue(st, copies, kernel_ok)
         except Exception as e:  # a driver call failed: the transfer fails, the backend stays
