@@ -412,3 +412,32 @@ def test_route_cache_prefers_the_higher_preference(pair, fake_xgmi) -> None:
     assert pair.a._route_name(pair.src_desc, pair.dst_desc) == "_Backend"
     pair.a.remove_backend(BackendType.XGMI)
     assert pair.a._route_name(pair.src_desc, pair.dst_desc) in ("tcp", "tcp+cma")
+
+
+def test_waiting_releases_the_gil(monkeypatch: pytest.MonkeyPatch, make) -> None:
+    """While one thread waits on a transfer that cannot finish yet, Python keeps running."""
+    monkeypatch.setenv("MORI_IO_CP_TIMEOUT_MS", "2000")
+    a = make("a")
+    srv, stop = _fake_target(handshake=True)
+    try:
+        from mori.io import EngineDesc
+
+        a.register_remote_engine(EngineDesc("hung", "elsewhere", "h", "127.0.0.1", srv.getsockname()[1], 1))
+        ma = a.register_torch_tensor(torch.zeros(64, dtype=torch.uint8))
+        st = a.write(ma, 0, MemoryDesc("hung", 1, -1, "", 4096, 64, 1, -1, b""), 0, 8, 1)
+        waiter = threading.Thread(target=st.Wait)
+        waiter.start()
+        spins = sum(1 for _ in range(200_000))
+        assert spins == 200_000 and waiter.is_alive() and not st.WaitFor(0), "Wait held the GIL"
+        waiter.join(30)
+        assert st.Code() == StatusCode.ERR_BAD_STATE
+    finally:
+        stop.set()
+
+
+def test_overlong_auth_token_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mori.core.errors import MoriValueError
+
+    monkeypatch.setenv("MORI_IO_AUTH_TOKEN", "x" * 2000)
+    with pytest.raises(MoriValueError, match="MORI_IO_AUTH_TOKEN"):
+        IOEngine("t", IOEngineConfig("127.0.0.1", 0))

@@ -103,7 +103,16 @@ class _TcpBackend:
                 remote.size,
             )
         return native.post(
-            op, local.id, remote.engine_key, remote.id, local_offsets, remote_offsets, sizes, uid, cpu, remote.size
+            op,
+            local.id,
+            remote.engine_key,
+            remote.id,
+            local_offsets,
+            remote_offsets,
+            sizes,
+            uid,
+            cpu,
+            remote.size,
         )
 
     def on_register_memory(self, desc: MemoryDesc) -> bytes | None:
@@ -145,10 +154,13 @@ class IOEngine:
             set_log_level(level)
         self._cp_timeout_ms: int = env.MORI_IO_CP_TIMEOUT_MS.get() or 30000
         node = topology.node_id()
-        try:
-            self._native = _engine.Engine(
-                key, config.host, config.port, node, env.MORI_IO_AUTH_TOKEN.get() or "", self._cp_timeout_ms
+        token = env.MORI_IO_AUTH_TOKEN.get() or ""
+        if len(token.encode()) > 1024:
+            raise bad_value(
+                "IOEngine", "MORI_IO_AUTH_TOKEN", f"<{len(token)} characters>", "at most 1024 bytes"
             )
+        try:
+            self._native = _engine.Engine(key, config.host, config.port, node, token, self._cp_timeout_ms)
         except RuntimeError as e:
             raise MoriBackendError(f"IOEngine({key!r}): {e}") from None
         host = config.host if config.host not in ("", "0.0.0.0", "::") else topology.advertised_host()
