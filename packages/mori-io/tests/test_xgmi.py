@@ -726,6 +726,39 @@ def test_gpu_kernel_matches_on_device() -> None:
         assert torch.equal(dst[i * 32768 : i * 32768 + 16384].cpu(), src[i * 16384 : (i + 1) * 16384].cpu())
 
 
+@pytest.mark.cuda
+def test_gpu_two_engines_of_one_process_on_one_gpu() -> None:
+    """No IPC: the kernel path and the copy path through the public API on one GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    torch.cuda.set_device(0)
+    src = torch.randint(0, 256, (4 * MiB,), dtype=torch.uint8, device="cuda:0")
+    dst = torch.zeros(8 * MiB, dtype=torch.uint8, device="cuda:0")
+    with (
+        IOEngine("x", IOEngineConfig("127.0.0.1", 0)) as ex,
+        IOEngine("y", IOEngineConfig("127.0.0.1", 0)) as ey,
+    ):
+        ex.create_backend(BackendType.XGMI, XgmiBackendConfig(num_streams=8, num_events=8))
+        ey.create_backend(BackendType.XGMI)
+        ds, dd = ex.register_torch_tensor(src), ey.register_torch_tensor(dst[MiB:])  # a sub-range
+        ex.register_remote_engine(ey.get_engine_desc())
+        offs = [i * 16384 for i in range(128)]
+        remote_offs = [2 * o for o in offs]
+        st = ex.batch_write([ds], [offs], [dd], [remote_offs], [[16384] * 128], [1])[0]
+        wait_ok(st)
+        backend = ex._backends[BackendType.XGMI]
+        assert isinstance(backend, XgmiBackend) and backend.counters["kernel_launches"] == 1
+        torch.cuda.synchronize()
+        for o, r in zip(offs, remote_offs, strict=True):
+            assert torch.equal(dst[MiB + r : MiB + r + 16384], src[o : o + 16384])
+        wait_ok(ex.write(ds, 2 * MiB, dd, 5 * MiB, 2 * MiB, 2))  # dst[6 MiB, 8 MiB)
+        torch.cuda.synchronize()
+        assert torch.equal(dst[6 * MiB :], src[2 * MiB :])
+        wait_ok(ex.read(ds, 0, dd, 5 * MiB, MiB, 3))
+        torch.cuda.synchronize()
+        assert torch.equal(src[:MiB], src[2 * MiB : 3 * MiB])
+
+
 def _gpu_peer(conn: Any) -> None:
     torch.cuda.set_device(1)
     buf = torch.zeros(64 * MiB, dtype=torch.uint8, device="cuda:1")
@@ -735,7 +768,7 @@ def _gpu_peer(conn: Any) -> None:
         d = e.register_torch_tensor(buf[MiB:])
         conn.send((e.get_engine_desc().pack(), d.pack()))
         conn.recv()
-        conn.send(buf[MiB : MiB + 4 * MiB].cpu())
+        conn.send(buf[MiB : MiB + 8 * MiB].cpu())
         conn.recv()
 
 
