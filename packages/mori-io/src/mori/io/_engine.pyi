@@ -1,5 +1,6 @@
 # Stub of the native extension mori.io._engine (csrc/module.cpp); a test keeps it in sync.
 import enum
+from collections.abc import Sequence
 
 class StatusCode(enum.IntEnum):
     SUCCESS = 0
@@ -50,9 +51,9 @@ class Engine:
         local_id: int,
         peer_key: str,
         remote_id: int,
-        local_offsets: list[int],
-        remote_offsets: list[int],
-        sizes: list[int],
+        local_offsets: Sequence[int],
+        remote_offsets: Sequence[int],
+        sizes: Sequence[int],
         uid: int,
         remote_cpu: bool,
         remote_size: int,
@@ -76,7 +77,7 @@ class Engine:
     def counters(self) -> dict[str, int]: ...
     def shutdown(self) -> None: ...
 
-def wait_all(statuses: list[TransferStatus], timeout_ms: int) -> StatusCode: ...
+def wait_all(statuses: Sequence[TransferStatus], timeout_ms: int) -> StatusCode: ...
 def set_log_level(level: int) -> None: ...
 def get_log_level() -> int: ...
 def _parse_message(data: bytes) -> dict[str, object]: ...

@@ -174,7 +174,8 @@ class EngineDesc:
 
     def pack(self) -> bytes:
         """msgpack bytes; ``EngineDesc.unpack(d.pack()) == d``."""
-        return msgpack.packb([getattr(self, f.name) for f in fields(self)], use_bin_type=True)
+        data: bytes = msgpack.packb([getattr(self, f.name) for f in fields(self)], use_bin_type=True)
+        return data
 
     @staticmethod
     def unpack(data: bytes) -> EngineDesc:
@@ -199,7 +200,8 @@ class MemoryDesc:
 
     def pack(self) -> bytes:
         """msgpack bytes; ``MemoryDesc.unpack(m.pack()) == m``."""
-        return msgpack.packb([getattr(self, f.name) for f in fields(self)], use_bin_type=True)
+        data: bytes = msgpack.packb([getattr(self, f.name) for f in fields(self)], use_bin_type=True)
+        return data
 
     @staticmethod
     def unpack(data: bytes) -> MemoryDesc:

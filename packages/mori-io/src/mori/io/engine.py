@@ -27,7 +27,7 @@ from mori.io._types import (
     XgmiBackendConfig,
     _check_int,
 )
-from mori.io.backend_api import BACKEND_MODULES, Backend
+from mori.io.backend_api import BACKEND_MODULES, Backend, Op
 
 _log = logging.getLogger("mori.io")
 
@@ -69,7 +69,7 @@ class _TcpBackend:
 
     preference = 0
 
-    def __init__(self, native: Any) -> None:
+    def __init__(self, native: _engine.Engine) -> None:
         self._native = native
 
     def supports(self, local: MemoryDesc, remote: MemoryDesc) -> bool:
@@ -79,7 +79,7 @@ class _TcpBackend:
 
     def post(
         self,
-        op: str,
+        op: Op,
         local: MemoryDesc,
         local_offsets: Sequence[int],
         remote: MemoryDesc,
@@ -520,7 +520,7 @@ class IOEngine:
 
     def _post(
         self,
-        op: str,
+        op: Op,
         local: MemoryDesc,
         loffs: Sequence[int],
         remote: MemoryDesc,
@@ -555,7 +555,7 @@ class IOEngine:
     def _dispatch(
         self,
         func: str,
-        op: str,
+        op: Op,
         local: MemoryDesc,
         loffs: Sequence[int],
         remote: MemoryDesc,
@@ -589,7 +589,7 @@ class IOEngine:
     def _batch(
         self,
         func: str,
-        op: str,
+        op: Op,
         local_descs: Sequence[MemoryDesc],
         local_offsets: Sequence[Sequence[int]],
         remote_descs: Sequence[MemoryDesc],
