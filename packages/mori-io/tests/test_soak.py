@@ -97,3 +97,54 @@ def test_engines_and_connections_come_and_go_without_leaks(cma: bool) -> None:
     assert _fds() == fds
     assert threading.active_count() == threads
     assert _threads() == native_threads
+
+
+def _child_exits(desc_bytes: bytes, mem_bytes: bytes) -> str:
+    """Runs in a forked child that inherited a live engine pair: the copies are unusable, and
+    dropping them (their native engines included) neither hangs nor shuts the parent's sockets."""
+    import gc
+
+    from mori.core.errors import MoriStateError
+    from mori.io import MemoryLocationType
+
+    engine = _inherited[0]
+    try:
+        engine.register_memory(4096, 1, -1, MemoryLocationType.CPU)
+        msg = "no error"
+    except MoriStateError as e:
+        msg = str(e)
+    # drop every reference this process's Python code holds to the native engine
+    engine.__dict__.pop("_native")
+    engine._backends.clear()
+    engine._routes.clear()
+    gc.collect()
+    return msg
+
+
+_inherited: list[IOEngine] = []
+
+
+def test_forked_child_neither_hangs_nor_breaks_the_parent(pair) -> None:
+    import multiprocessing as mp
+    import warnings
+
+    st = pair.a.write(pair.src_desc, 0, pair.dst_desc, 0, 8, 76)  # connections are up
+    assert st.WaitFor(30_000) and st.Succeeded(), st.Message()
+    sess = pair.a.create_session(pair.src_desc, pair.dst_desc)
+    connections = pair.b._counters()["inbound_connections"]
+    _inherited[:] = [pair.a]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads alive
+            ctx = mp.get_context("fork")
+            with ctx.Pool(1) as pool:
+                msg = pool.apply(_child_exits, (b"", b""))
+    finally:
+        _inherited.clear()
+    assert "belongs to the parent process" in msg
+    # the parent's connections survived the child: no reconnection was needed
+    assert sess.alive()
+    st = pair.a.write(pair.src_desc, 0, pair.dst_desc, 0, 4096, 77)
+    assert st.WaitFor(30_000) and st.Succeeded(), st.Message()
+    assert torch.equal(pair.dst[:4096], pair.src[:4096])
+    assert pair.b._counters()["inbound_connections"] == connections

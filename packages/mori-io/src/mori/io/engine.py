@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import itertools
 import logging
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +32,25 @@ from mori.io._types import (
 from mori.io.backend_api import BACKEND_MODULES, Backend, Op
 
 _log = logging.getLogger("mori.io")
+
+#: engines of this process; a forked child inherits them without their threads (see _after_fork)
+_ENGINES: weakref.WeakSet[IOEngine] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has copies of the engines but none of their threads, and mutexes or condition
+    variables those threads held: destroying a native engine there could hang, and shutting its
+    sockets down would cut the parent's connections. So the child keeps them alive forever (one
+    extra reference each) and marks them unusable."""
+    for engine in list(_ENGINES):
+        native = engine.__dict__.get("_native")
+        if native is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(native))
+        engine._closed = True
+        engine._forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 _LEVELS = {"trace": 5, "debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
 
@@ -173,6 +194,8 @@ class IOEngine:
         self._failed_routes: set[tuple[int, str, int, int]] = set()
         self._uids = itertools.count()
         self._closed = False
+        self._forked = False
+        _ENGINES.add(self)
 
     # -- engine and backends ---------------------------------------------------------------------
 
@@ -234,6 +257,7 @@ class IOEngine:
 
     def remove_backend(self, type: BackendType) -> None:
         """Disable a data path; later transfers route through the others."""
+        self._check_open("remove_backend")
         if not isinstance(type, BackendType):
             raise bad_type("remove_backend", "type", type, "BackendType")
         with self._lock:
@@ -256,6 +280,7 @@ class IOEngine:
 
     def deregister_remote_engine(self, desc: EngineDesc) -> None:
         """Forget a peer: its connections close, transfers still pending to it fail."""
+        self._check_open("deregister_remote_engine")
         _check_desc("deregister_remote_engine", "desc", desc, EngineDesc)
         with self._lock:
             known = self._remotes.pop(desc.key, None)
@@ -310,6 +335,7 @@ class IOEngine:
         ``ERR_INVALID_ARGS`` at once; the call then blocks (GIL released) until transfers already
         touching it have finished, at most ``MORI_IO_CP_TIMEOUT_MS`` (then :class:`MoriTimeoutError`).
         After it returns no peer can reach the memory, so it may be freed."""
+        self._check_open("deregister_memory")
         _check_desc("deregister_memory", "desc", desc, MemoryDesc)
         if desc.engine_key != self.key:
             raise bad_value(
@@ -393,6 +419,7 @@ class IOEngine:
     def create_session(self, local_desc: MemoryDesc, remote_desc: MemoryDesc) -> IOEngineSession | None:
         """A prepared path between one local and one remote region (route chosen once), or
         ``None`` if the remote engine is not registered or no backend can serve the pair."""
+        self._check_open("create_session")
         _check_desc("create_session", "local_desc", local_desc, MemoryDesc)
         _check_desc("create_session", "remote_desc", remote_desc, MemoryDesc)
         if local_desc.engine_key != self.key or local_desc.id not in self._local:
@@ -428,6 +455,7 @@ class IOEngine:
         if self._closed:
             return
         self._closed = True
+        _ENGINES.discard(self)
         for b in list(self._backends.values()):
             b.close()
         self._backends.clear()
@@ -454,6 +482,11 @@ class IOEngine:
         return ", ".join(t.name for t in self._backends) or "none"
 
     def _check_open(self, func: str) -> None:
+        if self._forked:
+            raise MoriStateError(
+                f"{func}: engine {self.key!r} belongs to the parent process (this process was forked "
+                "after creating it); create a new engine here"
+            )
         if self._closed:
             raise MoriStateError(f"{func}: engine {self.key!r} was shut down")
 
@@ -529,6 +562,8 @@ class IOEngine:
         uid: int,
         func: str | None = None,
     ) -> TransferStatus:
+        if self._closed:
+            self._check_open(func or op)
         # Fast path for a cached TCP route: the native engine checks ranges itself (local against
         # its table, remote against the descriptor, the target against its own table) and rejects
         # anything that is not a non-negative int with TypeError; only then does the slow path run,
