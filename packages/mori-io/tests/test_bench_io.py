@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 from pathlib import Path
@@ -130,21 +129,22 @@ def test_a_tiny_cpu_run_end_to_end(
     if nixl == "on" and importlib.util.find_spec("nixl") is None:
         pytest.skip("nixl is not installed (pip install nixl): the baseline is optional")
     out = tmp_path / "io.json"
-    args = argparse.Namespace(
-        device="cpu",
-        ops=["write", "read"],
-        blocks=[4096, 65536],
-        batches=[1, 4],
-        max_bytes=1 << 20,
-        iters=3,
-        reps=2,
-        mode=mode,
-        tcp_cma="on",
-        nixl=nixl,
-        ucx_tls=None,
-        json=str(out),
-        plot=str(tmp_path / "io.png"),
-    )
+    argv = [
+        "bench",
+        "io",
+        "--blocks",
+        "4K,64K",
+        "--batches",
+        "1,4",
+        "--max-bytes",
+        "1M",
+        "--iters",
+        "3",
+        "--reps",
+        "2",
+    ]
+    argv += ["--mode", mode, "--nixl", nixl, "--json", str(out), "--plot", str(tmp_path / "io.png")]
+    args = build_parser().parse_args(argv)
     assert bench.run(args) == 0
     text = capsys.readouterr().out
     record = json.loads(out.read_text())

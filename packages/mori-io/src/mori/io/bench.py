@@ -12,8 +12,12 @@ call that starts the transfer) and the *latency* (post until completion seen). F
 
 ``--device cpu``: mori.io's TCP backend (the native engine: sockets, or cross-memory attach between
 engines of one host) against NIXL (UCX backend, DRAM registered the same way) in the same two
-processes, repetitions interleaved (mori, NIXL, NIXL, mori, ...) so that both see the same machine
-load; ratio = mori GB/s / NIXL GB/s. The UCX transports NIXL used are read from UCX's own log.
+processes, in phases: every point with mori, then every point with NIXL, the order reversed each
+repetition, so that both see the same machine load. NIXL's agents exist only during NIXL's phases:
+an idle agent's progress thread keeps a core busy, which would slow whatever runs beside it. The
+target's agent has that thread (a passive target needs it); the initiator's polls while it waits
+(``--nixl-initiator-thread on`` gives it one too). ratio = mori GB/s / NIXL GB/s. The UCX
+transports NIXL used are read from UCX's own log.
 ``--device cuda``: the XGMI backend (NVLink / xGMI, GPU IPC) between GPU 0 (initiator) and GPU 1
 (target) against the raw copy-engine peer copy ``dst.copy_(src)`` from ``cuda:0`` to ``cuda:1``
 (READ: the other way) in the initiator. There GB/s comes from ``iters`` transfers posted back to
@@ -26,6 +30,7 @@ path is checked byte-exact first.
 from __future__ import annotations
 
 import argparse
+import gc
 import glob
 import hashlib
 import multiprocessing as mp
@@ -131,6 +136,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["on", "off"],
         default="on",
         help="cpu: measure NIXL as the baseline (default on; reported as missing if not installed)",
+    )
+    p.add_argument(
+        "--nixl-initiator-thread",
+        choices=["on", "off"],
+        default="off",
+        help="cpu: give the NIXL initiator NIXL's progress thread too (default off: it polls while it waits; "
+        "the target always has one)",
     )
     p.add_argument(
         "--ucx-tls",
@@ -280,14 +292,25 @@ def _make_engine(key: str, cma: bool) -> Any:
     return engine
 
 
-def _make_nixl(name: str, buf: Any) -> tuple[Any, str]:
-    """A NIXL agent (UCX backend) with ``buf`` registered, or (None, why not)."""
+def _nixl_missing() -> str:
+    """``""`` if NIXL's Python API imports, else why not."""
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        import nixl._api  # noqa: F401
     except Exception as e:  # not installed, or installed without a usable backend
-        return None, f"nixl is not importable ({type(e).__name__}: {e}); pip install nixl"
+        return f"nixl is not importable ({type(e).__name__}: {e}); pip install nixl"
+    return ""
+
+
+def _make_nixl(name: str, buf: Any, progress_thread: bool = True) -> tuple[Any, str]:
+    """A NIXL agent (UCX backend) with ``buf`` registered, or (None, why not). ``progress_thread``:
+    NIXL's own progress thread (a passive target needs it; it keeps a core busy while it lives)."""
+    why = _nixl_missing()
+    if why:
+        return None, why
+    from nixl._api import nixl_agent, nixl_agent_config
+
     try:
-        agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
         if "UCX" not in agent.backends:
             return None, "nixl has no UCX backend plugin here"
         agent.register_memory(agent.get_reg_descs([(buf.data_ptr(), buf.numel(), 0, "")], "DRAM"))
@@ -320,13 +343,13 @@ def _target(conn: Any, nbytes: int, cma: bool, use_nixl: bool, env: dict[str, st
     buf = torch.arange(nbytes, dtype=torch.int64).remainder_(251).to(torch.uint8)
     engine = _make_engine("bench-target", cma)
     desc = engine.register_torch_tensor(buf)
-    agent, why = _make_nixl("bench-target", buf) if use_nixl else (None, "disabled (--nixl off)")
+    why = _nixl_missing() if use_nixl else "disabled (--nixl off)"
+    agent: Any = None
     conn.send(
         {
             "engine": engine.get_engine_desc().pack(),
             "mem": desc.pack(),
             "addr": buf.data_ptr(),
-            "nixl_meta": agent.get_agent_metadata() if agent is not None else None,
             "nixl_error": why,
         }
     )
@@ -339,9 +362,17 @@ def _target(conn: Any, nbytes: int, cma: bool, use_nixl: bool, env: dict[str, st
             elif msg[0] == "digest":
                 _, off, n = msg
                 conn.send(_digest(buf[off : off + n].numpy()))
+            elif msg[0] == "nixl_up":  # NIXL agents live only while NIXL is measured
+                agent, why = _make_nixl("bench-target", buf)
+                conn.send((agent.get_agent_metadata() if agent is not None else None, why))
+            elif msg[0] == "nixl_down":
+                agent = None
+                gc.collect()
+                conn.send("ok")
             elif msg[0] == "stop":
                 break
     finally:
+        agent = None
         engine.shutdown()
         conn.send("bye")
 
@@ -368,15 +399,36 @@ class _CpuInitiator:
         if args.mode == "session" and self.session is None:
             raise SystemExit("mori bench io: create_session returned None for the TCP path")
         self.remote_addr = hello["addr"]
-        self.nixl_error = hello["nixl_error"]
-        self.agent = None
+        self.nixl_error: str = hello["nixl_error"]
+        self.agent: Any = None
         self.peer_name = ""
-        if hello["nixl_meta"] is not None:
-            self.agent, why = _make_nixl("bench-initiator", self.buf)
-            if self.agent is None:
-                self.nixl_error = why
-            else:
-                self.peer_name = self.agent.add_remote_agent(hello["nixl_meta"])
+
+    @property
+    def has_nixl(self) -> bool:
+        """Whether NIXL can be measured (it imports on both sides and has not failed)."""
+        return not self.nixl_error
+
+    def nixl_up(self) -> bool:
+        """Create both NIXL agents and connect them; False (and ``nixl_error``) if that fails."""
+        self.conn.send(("nixl_up",))
+        meta, why = self.conn.recv()
+        if meta is None:
+            self.nixl_error = why
+            return False
+        self.agent, why = _make_nixl("bench-initiator", self.buf, self.args.nixl_initiator_thread == "on")
+        if self.agent is None:
+            self.nixl_error = why
+            self.nixl_down()
+            return False
+        self.peer_name = self.agent.add_remote_agent(meta)
+        return True
+
+    def nixl_down(self) -> None:
+        """Destroy both NIXL agents (their progress threads stop)."""
+        self.agent = None
+        gc.collect()
+        self.conn.send(("nixl_down",))
+        self.conn.recv()
 
     def route(self) -> str:
         return str(self.engine._route_name(self.local, self.remote))
@@ -433,10 +485,9 @@ class _CpuInitiator:
         self.conn.send(("digest", off, n))
         return str(self.conn.recv())
 
-    def verify(self, n: int) -> dict[str, bool]:
+    def verify(self, n: int, frameworks: Sequence[str]) -> dict[str, bool]:
         """Write our bytes [0, n) to the target and read them back into [n, 2n), for each framework."""
         out: dict[str, bool] = {}
-        frameworks = ["mori"] + (["nixl"] if self.agent is not None else [])
         for fw in frameworks:
             self.buf[n : 2 * n].zero_()
             if fw == "mori":
@@ -463,39 +514,63 @@ class _CpuInitiator:
         return out
 
 
-def _measure_cpu(args: argparse.Namespace, ini: _CpuInitiator) -> list[dict[str, Any]]:
+def _measure_cpu(
+    args: argparse.Namespace, ini: _CpuInitiator, check: int
+) -> tuple[list[dict[str, Any]], bool]:
+    """Every point, in phases: all points with mori, then all with NIXL (its agents created for the
+    phase and destroyed after it), the order reversed every repetition. Returns the rows and
+    whether NIXL's bytes checked out."""
+    pts = points(args.ops, args.blocks, args.batches, args.max_bytes)
+    reps: dict[str, dict[tuple[str, int, int], list[tuple[list[float], list[float]]]]] = {
+        "mori": {p: [] for p in pts},
+        "nixl": {p: [] for p in pts},
+    }
+    names = ["mori", "nixl"] if ini.has_nixl else ["mori"]
+    nixl_verified = nixl_checked = False
+    for r in range(args.reps):
+        for name in names if r % 2 == 0 else reversed(names):
+            if name == "nixl":
+                if not ini.has_nixl or not ini.nixl_up():
+                    continue
+                if not nixl_checked:  # the first NIXL phase checks its bytes first
+                    nixl_verified = ini.verify(check, ["nixl"])["nixl"]
+                    nixl_checked = True
+            t0 = time.perf_counter()
+            for op, block, batch in pts:
+                iters = iterations(block * batch, args.iters)
+                keep: Any = None
+                wait: Callable[[Any], None]
+                if name == "mori":
+                    post, wait = ini.mori_post(op, block, batch), ini.mori_wait
+                else:
+                    handle, keep = ini.nixl_handle(op, block, batch)
+                    post, wait = ini.nixl_post(handle), ini.nixl_wait
+                time_transfers(post, wait, max(2, iters // 10))
+                reps[name][(op, block, batch)].append(time_transfers(post, wait, iters))
+                if keep is not None:
+                    handle.release()
+                    for dl in keep:
+                        dl.release()
+            if name == "nixl":
+                ini.nixl_down()
+            print(f"  rep {r + 1}/{args.reps}: {name} done in {time.perf_counter() - t0:.1f} s", flush=True)
     rows = []
-    for op, block, batch in points(args.ops, args.blocks, args.batches, args.max_bytes):
+    for op, block, batch in pts:
         nbytes = block * batch
-        iters = iterations(nbytes, args.iters)
-        warm = max(2, iters // 10)
-        mori_post = ini.mori_post(op, block, batch)
-        runners: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {
-            "mori": (mori_post, ini.mori_wait)
+        row: dict[str, Any] = {
+            "op": op,
+            "block": block,
+            "batch": batch,
+            "bytes": nbytes,
+            "iters": iterations(nbytes, args.iters),
         }
-        nixl_keep = None
-        if ini.agent is not None:
-            handle, nixl_keep = ini.nixl_handle(op, block, batch)
-            runners["nixl"] = (ini.nixl_post(handle), ini.nixl_wait)
-        reps: dict[str, list[tuple[list[float], list[float]]]] = {name: [] for name in runners}
-        for post, wait in runners.values():
-            time_transfers(post, wait, warm)
-        names = list(runners)
-        for r in range(args.reps):
-            for name in names if r % 2 == 0 else reversed(names):
-                post, wait = runners[name]
-                reps[name].append(time_transfers(post, wait, iters))
-        row: dict[str, Any] = {"op": op, "block": block, "batch": batch, "bytes": nbytes, "iters": iters}
-        for name in names:
-            row[name] = summarize(nbytes, reps[name])
+        for name in ("mori", "nixl"):
+            if reps[name][(op, block, batch)]:
+                row[name] = summarize(nbytes, reps[name][(op, block, batch)])
         if "nixl" in row:
             row["ratio"] = row["mori"]["gbps"] / row["nixl"]["gbps"]
-            handle.release()
-            for dl in nixl_keep or ():
-                dl.release()
         rows.append(row)
-        _print_row(row)
-    return rows
+    return rows, nixl_verified
 
 
 _COLUMNS = ["op", "block", "batch", "mori GB/s", "min-max", "avg us", "p99 us", "post us"]
@@ -589,19 +664,27 @@ def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
         hello = await_target(parent, proc, 120.0)
         ini = _CpuInitiator(args, parent, hello, nbytes)
         check = min(4 * MiB, nbytes // 2)
-        verified = ini.verify(check)
+        verified = ini.verify(check, ["mori"])
         print(
             f"mori bench io --device cpu: 2 processes on loopback, mode {args.mode}, route {ini.route()!r}, "
             f"{args.reps} reps, buffers {bench.human_bytes(nbytes)}"
         )
-        if ini.agent is None:
+        print(
+            "phases: every point with mori, then every point with NIXL (agents alive only then), "
+            "order reversed each rep"
+        )
+        rows, nixl_ok = _measure_cpu(args, ini, check)
+        if any("nixl" in r for r in rows):
+            verified["nixl"] = nixl_ok
+        else:
             print(f"NIXL baseline: unavailable ({ini.nixl_error})")
         print(
             "GB/s = block x batch x iters / sum of latencies, median of reps (1 GB = 1e9 B); ratio = mori/NIXL"
         )
         print(f"verified byte-exact ({bench.human_bytes(check)} write + read back): {verified}")
         _print_header("NIXL")
-        rows = _measure_cpu(args, ini)
+        for row in rows:
+            _print_row(row)
         parent.send(("stop",))
         parent.recv()
     finally:
@@ -619,12 +702,14 @@ def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
         "mode": args.mode,
         "tcp_cma": args.tcp_cma,
         "verified": verified,
-        "nixl": "measured" if ini.agent is not None else f"unavailable: {ini.nixl_error}",
+        "nixl": "measured" if any("nixl" in r for r in rows) else f"unavailable: {ini.nixl_error}",
+        "nixl_agents": "created per NIXL phase; target with NIXL's progress thread, initiator "
+        + ("with" if args.nixl_initiator_thread == "on" else "without (it polls)"),
         "nixl_version": _version("nixl"),
         "ucx_tls": args.ucx_tls or os.environ.get("UCX_TLS") or "unset (UCX default)",
         "ucx_transports": transports,
     }
-    if ini.agent is not None:
+    if any("nixl" in r for r in rows):
         print(f"NIXL UCX_TLS={info['ucx_tls']}; UCX endpoint lanes: {'; '.join(transports) or 'not logged'}")
     return info, rows
 
