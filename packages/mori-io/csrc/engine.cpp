@@ -256,6 +256,34 @@ SchedAttr set_slice(uint64_t runtime_ns) {
 
 void request_short_slice() { set_slice(100 * 1000); }  // 0.1 ms, the shortest the kernel accepts
 
+// Device blocks -> one host buffer (to_host), or one host buffer -> device blocks (from_host).
+int stage_out(const DeviceCopier& c, const std::vector<iovec>& dev, int device, std::vector<uint8_t>* buf) {
+  uint64_t total = 0;
+  for (const iovec& v : dev) total += v.iov_len;
+  buf->resize(total);
+  uint64_t off = 0;
+  for (const iovec& v : dev) {
+    if (v.iov_len) {
+      int rc = c.to_host(c.ctx, buf->data() + off, reinterpret_cast<uintptr_t>(v.iov_base), v.iov_len, device);
+      if (rc != 0) return rc;
+    }
+    off += v.iov_len;
+  }
+  return 0;
+}
+
+int stage_in(const DeviceCopier& c, const std::vector<iovec>& dev, int device, const std::vector<uint8_t>& buf) {
+  uint64_t off = 0;
+  for (const iovec& v : dev) {
+    if (v.iov_len) {
+      int rc = c.from_host(c.ctx, reinterpret_cast<uintptr_t>(v.iov_base), buf.data() + off, v.iov_len, device);
+      if (rc != 0) return rc;
+    }
+    off += v.iov_len;
+  }
+  return 0;
+}
+
 }  // namespace
 
 void set_log_level(int level) { g_log_level.store(level); }
@@ -441,10 +469,22 @@ class Conn : public std::enable_shared_from_this<Conn> {
     if (!cma)
       for (Seg& s : wire) s.addr = 0;  // the target needs our addresses only to attach
     std::vector<iovec> payload;
+    std::vector<uint8_t> staged;
     if (p.op == kWrite && !cma) {
       h.payload_len = p.bytes;
       payload.reserve(p.segs.size());
       for (const Seg& s : p.segs) payload.push_back({reinterpret_cast<void*>(s.addr), s.len});
+      if (p.local_loc != 1) {  // device memory: copy the blocks into one host buffer first
+        int rc = stage_out(eng_->device_copier(), payload, p.local_device, &staged);
+        if (rc != 0) {
+          if (PartPtr mine = take(id))
+            mine->xfer->part_done(ERR_GPU_OP, "copying local device memory to host failed (code " +
+                                                  std::to_string(rc) + ")");
+          return true;
+        }
+        eng_->staged_bytes.fetch_add(int64_t(staged.size()));
+        payload.assign(1, iovec{staged.data(), staged.size()});
+      }
     }
     bool would_block = false;
     std::string err =
@@ -529,13 +569,23 @@ class Conn : public std::enable_shared_from_this<Conn> {
         std::vector<iovec> iov;
         iov.reserve(p->segs.size());
         for (const Seg& s : p->segs) iov.push_back({reinterpret_cast<void*>(s.addr), s.len});
-        err = recv_iov(fd_, iov, &last_progress_);
+        std::vector<uint8_t> staged;
+        if (p->local_loc == 1) {
+          err = recv_iov(fd_, iov, &last_progress_);
+        } else {
+          staged.resize(p->bytes);
+          std::vector<iovec> host{{staged.data(), staged.size()}};
+          err = recv_iov(fd_, host, &last_progress_);
+        }
         if (!err.empty()) {
           p->xfer->part_done(ERR_BAD_STATE, "receiving read data: " + err);
           fail("receiving read data: " + err);
           return;
         }
-        p->xfer->part_done(SUCCESS, "");
+        int rc = p->local_loc == 1 ? 0 : stage_in(eng_->device_copier(), iov, p->local_device, staged);
+        if (p->local_loc != 1) eng_->staged_bytes.fetch_add(int64_t(staged.size()));
+        p->xfer->part_done(rc == 0 ? SUCCESS : ERR_GPU_OP,
+                           rc == 0 ? "" : "copying read data to local device memory failed (code " + std::to_string(rc) + ")");
       } else if (h.type == kAck && h.status == kCmaUnavailable) {
         // Failover: the target cannot attach to us; the same part goes over the socket.
         peer_->cma_ok = false;
@@ -653,6 +703,21 @@ void Engine::configure_tcp(const TcpConfig& c) {
   tcp_ = c;
 }
 
+void Engine::set_device_copier(const DeviceCopier& c) {
+  std::lock_guard<std::mutex> g(tcp_mu_);
+  copier_ = c;
+}
+
+bool Engine::has_device_copier() {
+  std::lock_guard<std::mutex> g(tcp_mu_);
+  return copier_.to_host != nullptr && copier_.from_host != nullptr;
+}
+
+DeviceCopier Engine::device_copier() {
+  std::lock_guard<std::mutex> g(tcp_mu_);
+  return copier_;
+}
+
 TcpConfig Engine::tcp_config() {
   std::lock_guard<std::mutex> g(tcp_mu_);
   return tcp_;
@@ -746,6 +811,7 @@ std::map<std::string, int64_t> Engine::counters() {
   c["served_cma"] = served_cma.load();
   c["served_socket"] = served_socket.load();
   c["failovers"] = failovers.load();
+  c["staged_bytes"] = staged_bytes.load();
   {
     std::lock_guard<std::mutex> g(in_mu_);
     c["inbound_pending"] = int64_t(inbound_.size());
@@ -872,10 +938,16 @@ void Engine::serve(int fd, std::shared_ptr<std::atomic<bool>> finished) {
     std::string msg;
     RegionPtr region = pin(h.mem_id, segs.data(), segs.size(), &msg);
     if (!region) code = ERR_INVALID_ARGS;
-    if (region && region->loc != 1) {
+    const bool staged = region && region->loc != 1;  // device memory: through a host buffer
+    if (staged && cma) {
       code = ERR_INVALID_ARGS;
-      msg = "memory region " + std::to_string(h.mem_id) + " is not CPU memory; the TCP backend has no GPU staging";
+      msg = "memory region " + std::to_string(h.mem_id) + " is not CPU memory; it cannot be attached";
+    } else if (staged && !has_device_copier()) {
+      code = ERR_INVALID_ARGS;
+      msg = "memory region " + std::to_string(h.mem_id) +
+            " is not CPU memory and engine '" + cfg_.key + "' has no device copier for GPU staging";
     }
+    std::vector<uint8_t> stage_buf;
     std::vector<iovec> mine;
     if (code == SUCCESS) {
       mine.reserve(segs.size());
@@ -918,7 +990,21 @@ void Engine::serve(int fd, std::shared_ptr<std::atomic<bool>> finished) {
       }
     }
     if (!cma && h.type == kWrite) {
-      err = code == SUCCESS ? recv_iov(fd, mine, nullptr) : drain(fd, h.payload_len);
+      if (code == SUCCESS && staged) {
+        stage_buf.resize(h.payload_len);
+        std::vector<iovec> host{{stage_buf.data(), stage_buf.size()}};
+        err = recv_iov(fd, host, nullptr);
+        if (err.empty()) {
+          int rc = stage_in(device_copier(), mine, region->device, stage_buf);
+          staged_bytes.fetch_add(int64_t(stage_buf.size()));
+          if (rc != 0) {
+            code = ERR_GPU_OP;
+            msg = "copying into device memory failed (code " + std::to_string(rc) + ")";
+          }
+        }
+      } else {
+        err = code == SUCCESS ? recv_iov(fd, mine, nullptr) : drain(fd, h.payload_len);
+      }
       if (!err.empty()) {
         if (region) unpin(region);
         MORI_IO_LOG(30, "engine '%s': receiving write data from '%s': %s", cfg_.key.c_str(), peer_key.c_str(),
@@ -934,6 +1020,18 @@ void Engine::serve(int fd, std::shared_ptr<std::atomic<bool>> finished) {
     if (msg.size() > kMaxText) msg.resize(kMaxText);
     rep.body_len = code == SUCCESS ? 0 : uint32_t(msg.size());
     std::vector<iovec>* payload = nullptr;
+    if (rep.type == kReadData && code == SUCCESS && staged) {
+      int rc = stage_out(device_copier(), mine, region->device, &stage_buf);
+      staged_bytes.fetch_add(int64_t(stage_buf.size()));
+      if (rc != 0) {
+        code = ERR_GPU_OP;
+        msg = "copying device memory to host failed (code " + std::to_string(rc) + ")";
+        rep.status = code;
+        rep.body_len = uint32_t(msg.size());
+      } else {
+        mine.assign(1, iovec{stage_buf.data(), stage_buf.size()});
+      }
+    }
     if (rep.type == kReadData && code == SUCCESS) {
       uint64_t total = 0;
       for (const Seg& s : segs) total += s.len;
@@ -1143,8 +1241,9 @@ StatusPtr Engine::post(uint16_t op, uint64_t local_id, const std::string& peer_k
   xfer->eng = this;
   xfer->st = st;
   xfer->local = local;
-  if (local->loc != 1) {
-    st->complete(ERR_INVALID_ARGS, "local memory is not CPU memory; the TCP backend has no GPU staging");
+  if (local->loc != 1 && !has_device_copier()) {
+    st->complete(ERR_INVALID_ARGS,
+                 "local memory is not CPU memory and no device copier is installed (GPU staging)");
     return st;
   }
   PeerPtr peer;
@@ -1165,7 +1264,7 @@ StatusPtr Engine::post(uint16_t op, uint64_t local_id, const std::string& peer_k
   }
   TcpConfig tcp = tcp_config();
   uint32_t flags = tcp.enable_notification ? uint32_t(kFlagNotify) : 0u;
-  if (tcp.enable_cma && peer->same_node && peer->cma_ok && remote_cpu) flags |= kFlagCma;
+  if (tcp.enable_cma && peer->same_node && peer->cma_ok && remote_cpu && local->loc == 1) flags |= kFlagCma;
   const uint64_t chunk = std::max<uint64_t>(tcp.chunk_bytes, 4096);
 
   // Merge blocks contiguous on both sides, then cut into parts of at most `chunk` bytes.
@@ -1187,6 +1286,8 @@ StatusPtr Engine::post(uint16_t op, uint64_t local_id, const std::string& peer_k
     p->xfer = xfer;
     p->op = op;
     p->flags = flags;
+    p->local_loc = local->loc;
+    p->local_device = local->device;
     p->uid = uid;
     p->mem_id = remote_id;
     parts.push_back(p);

@@ -87,6 +87,17 @@ struct Region {
 };
 using RegionPtr = std::shared_ptr<Region>;
 
+// Copies between device memory and host memory, so the TCP backend can move GPU memory through
+// host staging buffers (a piece of a transfer is staged, sent, and staged again on the other
+// side; pieces on different connections overlap, which pipelines a large transfer). A device
+// plugin provides it (Engine::set_device_copier); both functions are called from engine threads
+// without the GIL and return 0 on success. `device` is the region's device_id.
+struct DeviceCopier {
+  int (*to_host)(void* ctx, void* host_dst, uintptr_t device_src, uint64_t nbytes, int device) = nullptr;
+  int (*from_host)(void* ctx, uintptr_t device_dst, const void* host_src, uint64_t nbytes, int device) = nullptr;
+  void* ctx = nullptr;
+};
+
 struct TcpConfig {
   int conns_per_peer = 4;
   uint64_t chunk_bytes = 1 << 20;
@@ -117,6 +128,8 @@ struct Part {
   uint32_t total_parts = 1;
   std::vector<Seg> segs;  // off: target offset; addr: initiator address (always filled locally)
   uint64_t bytes = 0;
+  int local_loc = 1;  // MemoryLocationType of the initiator's region: 1 CPU, else staged
+  int local_device = -1;
 };
 using PartPtr = std::shared_ptr<Part>;
 
@@ -149,6 +162,9 @@ class Engine {
   const std::string& key() const { return cfg_.key; }
   int64_t cp_timeout_ms() const { return cfg_.cp_timeout_ms; }
   void configure_tcp(const TcpConfig& c);
+  void set_device_copier(const DeviceCopier& c);
+  bool has_device_copier();
+  DeviceCopier device_copier();
   TcpConfig tcp_config();
 
   uint64_t register_memory(uintptr_t addr, uint64_t size, int loc, int device);
@@ -176,7 +192,7 @@ class Engine {
   void record_inbound(const std::string& key, uint64_t uid, uint32_t total, int code, const std::string& msg);
   uint64_t next_req_id() { return req_ids_.fetch_add(1) + 1; }
   const EngineConfig& cfg() const { return cfg_; }
-  std::atomic<int64_t> served_cma{0}, served_socket{0}, failovers{0};
+  std::atomic<int64_t> served_cma{0}, served_socket{0}, failovers{0}, staged_bytes{0};
   // Test mode: answer every attach request as if the OS refused it (exercises the failover).
   std::atomic<bool> refuse_cma{false};
 
@@ -190,6 +206,7 @@ class Engine {
   EngineConfig cfg_;
   std::mutex tcp_mu_;
   TcpConfig tcp_;
+  DeviceCopier copier_;  // guarded by tcp_mu_
   int listen_fd_ = -1;
   uint16_t port_ = 0;
   std::atomic<bool> stop_{false};

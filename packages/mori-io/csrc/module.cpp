@@ -62,6 +62,20 @@ py::dict parse_message(py::bytes data) {
   return out;
 }
 
+// Test copier: "device memory" is host memory, copied with memcpy; ctx != nullptr makes every
+// copy fail, to exercise ERR_GPU_OP.
+int test_to_host(void* ctx, void* dst, uintptr_t src, uint64_t n, int) {
+  if (ctx) return 1;
+  std::memcpy(dst, reinterpret_cast<const void*>(src), n);
+  return 0;
+}
+int test_from_host(void* ctx, uintptr_t dst, const void* src, uint64_t n, int) {
+  if (ctx) return 1;
+  std::memcpy(reinterpret_cast<void*>(dst), src, n);
+  return 0;
+}
+int g_fail_marker = 0;
+
 }  // namespace
 
 PYBIND11_MODULE(_engine, m) {
@@ -178,6 +192,27 @@ PYBIND11_MODULE(_engine, m) {
           py::arg("key"), py::arg("uid"), "Finished inbound transfer (initiator key, uid) or None.")
       .def("route_of", &Engine::route_of, py::arg("peer_key"), py::arg("local_id"), py::arg("remote_cpu"),
            "'tcp+cma' or 'tcp': how bytes to this peer move now; '' if the peer is unknown.")
+      .def(
+          "set_device_copier",
+          [](Engine& e, py::capsule cap) {
+            if (std::string(cap.name() ? cap.name() : "") != "mori.io.DeviceCopier")
+              throw py::value_error("set_device_copier: expected a capsule named 'mori.io.DeviceCopier'");
+            const auto* c = cap.get_pointer<DeviceCopier>();
+            if (!c || !c->to_host || !c->from_host)
+              throw py::value_error("set_device_copier: the DeviceCopier has null functions");
+            e.set_device_copier(*c);
+          },
+          py::arg("copier"),
+          "Install a device plugin's DeviceCopier (csrc/engine.hpp), passed as a capsule named "
+          "'mori.io.DeviceCopier' that outlives the engine: the TCP backend then stages GPU memory.")
+      .def("has_device_copier", &Engine::has_device_copier, "Whether GPU memory can be staged.")
+      .def(
+          "_install_test_copier",
+          [](Engine& e, bool fail) {
+            e.set_device_copier(DeviceCopier{&test_to_host, &test_from_host, fail ? &g_fail_marker : nullptr});
+          },
+          py::arg("fail") = false,
+          "Test mode: a copier that treats 'device' addresses as host memory (fail=True: every copy fails).")
       .def(
           "_test_refuse_cma", [](Engine& e, bool on) { e.refuse_cma = on; }, py::arg("on"),
           "Test mode: as a target, refuse cross-memory attach so initiators fail over to the socket.")

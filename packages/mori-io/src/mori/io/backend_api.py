@@ -29,6 +29,12 @@ before its descriptor is returned to the user; whatever bytes it returns (an IPC
 instance) are stored in ``MemoryDesc.ipc_handle`` and travel to peers with ``pack()``. A backend
 must accept sub-ranges: ``desc.data`` may be an offset into a larger allocation.
 
+GPU memory over TCP. The native TCP backend can also carry GPU memory through host staging
+buffers: a device plugin installs a ``DeviceCopier`` (``csrc/engine.hpp``: device → host and
+host → device C functions) with ``engine._native.set_device_copier(capsule)``, the capsule named
+``"mori.io.DeviceCopier"``; after that the TCP backend ``supports`` GPU pairs (at preference 0, so a
+GPU backend that supports the pair still wins).
+
 All methods are called with the GIL held; a backend should release it (native calls, torch copies)
 on its data path, and must not block in ``post`` longer than it takes to start the copy.
 """

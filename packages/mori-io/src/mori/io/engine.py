@@ -94,9 +94,12 @@ class _TcpBackend:
         self._native = native
 
     def supports(self, local: MemoryDesc, remote: MemoryDesc) -> bool:
-        # GPU memory would be staged through pinned host buffers; until a device plugin provides
-        # that copy, the TCP backend serves CPU memory only.
-        return bool(local.loc == MemoryLocationType.CPU and remote.loc == MemoryLocationType.CPU)
+        # GPU memory goes through host staging buffers, once a device plugin has installed its
+        # copier (_engine.Engine.set_device_copier); the remote side needs one for its GPU memory
+        # too, and says so with ERR_INVALID_ARGS if it has none.
+        if local.loc == MemoryLocationType.CPU and remote.loc == MemoryLocationType.CPU:
+            return True
+        return bool(self._native.has_device_copier())
 
     def post(
         self,
