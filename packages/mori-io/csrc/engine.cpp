@@ -381,13 +381,23 @@ class Conn : public std::enable_shared_from_this<Conn> {
   ~Conn() { close(); }
 
   void start() {
+    // An exception escaping a thread would terminate the process (std::bad_alloc of a staging
+    // buffer, say): it breaks this connection instead.
     tx_ = std::thread([this] {
       request_short_slice();
-      tx_loop();
+      try {
+        tx_loop();
+      } catch (const std::exception& e) {
+        fail(std::string("sender thread: ") + e.what());
+      }
     });
     rx_ = std::thread([this] {
       request_short_slice();
-      rx_loop();
+      try {
+        rx_loop();
+      } catch (const std::exception& e) {
+        fail(std::string("receiver thread: ") + e.what());
+      }
     });
   }
   bool broken() const { return broken_.load(); }
@@ -850,7 +860,17 @@ void Engine::accept_loop() {
       }
     }
     auto finished = std::make_shared<std::atomic<bool>>(false);
-    servers_.push_back({fd, std::thread([this, fd, finished] { serve(fd, finished); }), finished});
+    servers_.push_back({fd,
+                        std::thread([this, fd, finished] {
+                          try {
+                            serve(fd, finished);
+                          } catch (const std::exception& e) {  // e.g. std::bad_alloc: drop the connection
+                            MORI_IO_LOG(40, "engine '%s': closing a connection: %s", cfg_.key.c_str(), e.what());
+                            ::shutdown(fd, SHUT_RDWR);
+                            finished->store(true);
+                          }
+                        }),
+                        finished});
   }
 }
 
@@ -937,6 +957,13 @@ void Engine::serve(int fd, std::shared_ptr<std::atomic<bool>> finished) {
     int code = SUCCESS;
     std::string msg;
     RegionPtr region = pin(h.mem_id, segs.data(), segs.size(), &msg);
+    struct Unpin {  // however this request ends (exceptions included), the region is released
+      Engine* e;
+      RegionPtr r;
+      ~Unpin() {
+        if (r) e->unpin(r);
+      }
+    } unpin_guard{this, region};
     if (!region) code = ERR_INVALID_ARGS;
     const bool staged = region && region->loc != 1;  // device memory: through a host buffer
     if (staged && cma) {
@@ -1006,7 +1033,6 @@ void Engine::serve(int fd, std::shared_ptr<std::atomic<bool>> finished) {
         err = code == SUCCESS ? recv_iov(fd, mine, nullptr) : drain(fd, h.payload_len);
       }
       if (!err.empty()) {
-        if (region) unpin(region);
         MORI_IO_LOG(30, "engine '%s': receiving write data from '%s': %s", cfg_.key.c_str(), peer_key.c_str(),
                     err.c_str());
         return;
@@ -1042,7 +1068,6 @@ void Engine::serve(int fd, std::shared_ptr<std::atomic<bool>> finished) {
     // Record before answering, so that the initiator seeing success implies the target knows.
     if ((h.flags & kFlagNotify) && code != kCmaUnavailable) record_inbound(peer_key, h.uid, h.total_parts, code, msg);
     err = send_msg(fd, rep, msg.data(), payload, nullptr);
-    if (region) unpin(region);
     if (!err.empty()) return;
   }
 }
