@@ -11,11 +11,13 @@ call that starts the transfer) and the *latency* (post until completion seen). F
 * avg latency and p99 latency over every timed iteration of every repetition; avg post time.
 
 ``--device cpu``: mori.io's TCP backend (the native engine: sockets, or cross-memory attach between
-engines of one host) against NIXL (UCX backend, DRAM registered the same way) in the same two
-processes, in phases: every point with mori, then every point with NIXL, the order reversed each
-repetition, so that both see the same machine load. NIXL's agents exist only during NIXL's phases:
-an idle agent's progress thread keeps a core busy, which would slow whatever runs beside it. The
-target's agent has that thread (a passive target needs it); the initiator's polls while it waits
+engines of one host) against NIXL (UCX backend, DRAM registered the same way). The target process
+registers one buffer with both; mori's initiator is this process, NIXL's a process of its own (NIXL
+1.5.1 crashes in interpreter teardown once an agent existed, so NIXL never runs here). Phases: every
+point with mori, then every point with NIXL, the order reversed each repetition, so that both see
+the same machine load. NIXL's agents exist only during NIXL's phases: an idle agent's progress
+thread keeps a core busy, which would slow whatever runs beside it. The target's agent has that
+thread (a passive target needs it); the initiator's polls while it waits
 (``--nixl-initiator-thread on`` gives it one too). ratio = mori GB/s / NIXL GB/s. The UCX
 transports NIXL used are read from UCX's own log.
 ``--device cuda``: the XGMI backend (NVLink / xGMI, GPU IPC) between GPU 0 (initiator) and GPU 1
@@ -37,8 +39,10 @@ import multiprocessing as mp
 import os
 import re
 import statistics
+import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -333,52 +337,207 @@ def await_target(conn: Any, proc: Any, timeout_s: float) -> Any:
     return conn.recv()
 
 
+def _exit_without_teardown(code: int) -> None:
+    """End a child process now: NIXL 1.5.1 crashes (SIGSEGV) in interpreter teardown once an agent
+    has existed in the process, so its processes skip the teardown."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:  # C stdio buffers too (UCX's log file)
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except Exception:
+        pass
+    os._exit(code)
+
+
 def _target(conn: Any, nbytes: int, cma: bool, use_nixl: bool, env: dict[str, str]) -> None:
-    """The target process: owns registered memory, answers digests, exits on "stop"."""
+    """The target process: owns registered memory (mori and, during NIXL's phases, NIXL), answers
+    digests, exits on "stop"."""
     os.environ.update(env)
-    import torch
-
-    from mori.io import EngineDesc
-
-    buf = torch.arange(nbytes, dtype=torch.int64).remainder_(251).to(torch.uint8)
-    engine = _make_engine("bench-target", cma)
-    desc = engine.register_torch_tensor(buf)
-    why = _nixl_missing() if use_nixl else "disabled (--nixl off)"
-    agent: Any = None
-    conn.send(
-        {
-            "engine": engine.get_engine_desc().pack(),
-            "mem": desc.pack(),
-            "addr": buf.data_ptr(),
-            "nixl_error": why,
-        }
-    )
+    code = 0
     try:
+        import torch
+
+        from mori.io import EngineDesc
+
+        buf = torch.arange(nbytes, dtype=torch.int64).remainder_(251).to(torch.uint8)
+        engine = _make_engine("bench-target", cma)
+        desc = engine.register_torch_tensor(buf)
+        why = _nixl_missing() if use_nixl else "disabled (--nixl off)"
+        agent: Any = None
+        conn.send(
+            {
+                "engine": engine.get_engine_desc().pack(),
+                "mem": desc.pack(),
+                "addr": buf.data_ptr(),
+                "nixl_error": why,
+            }
+        )
+        try:
+            while conn.poll(TARGET_TIMEOUT_S):
+                msg = conn.recv()
+                if msg[0] == "peer":
+                    engine.register_remote_engine(EngineDesc.unpack(msg[1]))
+                    conn.send("ok")
+                elif msg[0] == "digest":
+                    _, off, n = msg
+                    conn.send(_digest(buf[off : off + n].numpy()))
+                elif msg[0] == "nixl_up":  # NIXL agents live only while NIXL is measured
+                    agent, why = _make_nixl("bench-target", buf)
+                    conn.send((agent.get_agent_metadata() if agent is not None else None, why))
+                elif msg[0] == "nixl_down":
+                    agent = None
+                    gc.collect()
+                    conn.send("ok")
+                elif msg[0] == "stop":
+                    break
+        finally:
+            agent = None
+            engine.shutdown()
+        conn.send("bye")
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    _exit_without_teardown(code)
+
+
+def _nixl_initiator(conn: Any, nbytes: int, env: dict[str, str], progress_thread: bool) -> None:
+    """NIXL's initiator, in a process of its own (NIXL never runs in the ``mori`` command's
+    process): an agent per NIXL phase, prepared transfers, the same stop-and-wait timing."""
+    os.environ.update(env)
+    code = 0
+    try:
+        import torch
+
+        gen = torch.Generator().manual_seed(11)
+        buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        agent: Any = None
+        peer, raddr = "", 0
+
+        def wait(posted: tuple[str, Any]) -> None:
+            state, handle = posted
+            while state == "PROC":
+                state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise RuntimeError(f"NIXL transfer failed: state {state}")
+
+        def one(op: str, loff: int, roff: int, n: int) -> None:
+            h = agent.initialize_xfer(
+                op,
+                agent.get_xfer_descs([(buf.data_ptr() + loff, n, 0)], "DRAM"),
+                agent.get_xfer_descs([(raddr + roff, n, 0)], "DRAM"),
+                peer,
+            )
+            wait((agent.transfer(h), h))
+            agent.release_xfer_handle(h)
+
+        conn.send("ready")
         while conn.poll(TARGET_TIMEOUT_S):
             msg = conn.recv()
-            if msg[0] == "peer":
-                engine.register_remote_engine(EngineDesc.unpack(msg[1]))
-                conn.send("ok")
-            elif msg[0] == "digest":
-                _, off, n = msg
-                conn.send(_digest(buf[off : off + n].numpy()))
-            elif msg[0] == "nixl_up":  # NIXL agents live only while NIXL is measured
-                agent, why = _make_nixl("bench-target", buf)
-                conn.send((agent.get_agent_metadata() if agent is not None else None, why))
-            elif msg[0] == "nixl_down":
+            if msg[0] == "up":
+                _, meta, raddr = msg
+                agent, why = _make_nixl("bench-initiator", buf, progress_thread)
+                if agent is not None:
+                    peer = agent.add_remote_agent(meta)
+                conn.send(why)
+            elif msg[0] == "write":  # check: our [0, n) to the target's [0, n); our digest of it
+                n = msg[1]
+                one("WRITE", 0, 0, n)
+                conn.send(_digest(buf[:n].numpy()))
+            elif msg[0] == "read_back":  # check: the target's [0, n) into our [n, 2n)
+                n = msg[1]
+                buf[n : 2 * n].zero_()
+                one("READ", n, 0, n)
+                conn.send(bool((buf[n : 2 * n] == buf[:n]).all()))
+            elif msg[0] == "measure":
+                _, pts, iters_arg = msg
+                out = {}
+                for op, block, batch in pts:
+                    idx = list(range(batch))
+                    local = agent.prep_xfer_dlist(
+                        "NIXL_INIT_AGENT", [(buf.data_ptr() + i * block, block, 0) for i in idx], "DRAM"
+                    )
+                    remote = agent.prep_xfer_dlist(peer, [(raddr + i * block, block, 0) for i in idx], "DRAM")
+                    handle = agent.make_prepped_xfer(op.upper(), local, idx, remote, idx)
+
+                    def post(handle: Any = handle, agent: Any = agent) -> tuple[str, Any]:
+                        return agent.transfer(handle), handle
+
+                    iters = iterations(block * batch, iters_arg)
+                    time_transfers(post, wait, max(2, iters // 10))
+                    out[(op, block, batch)] = time_transfers(post, wait, iters)
+                    handle.release()
+                    local.release()
+                    remote.release()
+                conn.send(out)
+            elif msg[0] == "down":
                 agent = None
                 gc.collect()
                 conn.send("ok")
             elif msg[0] == "stop":
                 break
-    finally:
-        agent = None
-        engine.shutdown()
         conn.send("bye")
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    _exit_without_teardown(code)
+
+
+class _Nixl:
+    """The NIXL side, driven from the ``mori`` process: its initiator process, and the target's
+    agent (through the target's pipe)."""
+
+    def __init__(
+        self, ctx: Any, target: Any, nbytes: int, env: dict[str, str], progress_thread: bool
+    ) -> None:
+        self.target = target
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_nixl_initiator, args=(child, nbytes, env, progress_thread))
+        self.proc.start()
+        await_target(self.conn, self.proc, 120.0)
+
+    def _ask(self, *msg: Any) -> Any:
+        self.conn.send(msg)
+        return await_target(self.conn, self.proc, TARGET_TIMEOUT_S)
+
+    def up(self, remote_addr: int) -> str:
+        """Create and connect both agents; ``""`` or why not."""
+        self.target.send(("nixl_up",))
+        meta, why = self.target.recv()
+        if meta is None:
+            return str(why)
+        why = self._ask("up", meta, remote_addr)
+        if why:
+            self.down()
+        return str(why)
+
+    def verify(self, n: int) -> bool:
+        mine = self._ask("write", n)
+        self.target.send(("digest", 0, n))
+        wrote = self.target.recv() == mine
+        return bool(wrote and self._ask("read_back", n))
+
+    def measure(self, pts: Sequence[tuple[str, int, int]], iters: int) -> dict[Any, Any]:
+        out: dict[Any, Any] = self._ask("measure", list(pts), iters)
+        return out
+
+    def down(self) -> None:
+        self._ask("down")
+        self.target.send(("nixl_down",))
+        self.target.recv()
+
+    def stop(self) -> None:
+        try:
+            self._ask("stop")
+        finally:
+            self.proc.join(30)
+            if self.proc.is_alive():
+                self.proc.kill()
 
 
 class _CpuInitiator:
-    """The initiator's side: a mori engine and a NIXL agent over the same registered buffer."""
+    """The initiator's mori side: an engine and a registered buffer in the ``mori`` process."""
 
     def __init__(self, args: argparse.Namespace, conn: Any, hello: dict[str, Any], nbytes: int) -> None:
         import torch
@@ -398,42 +557,11 @@ class _CpuInitiator:
         self.session = self.engine.create_session(self.local, self.remote)
         if args.mode == "session" and self.session is None:
             raise SystemExit("mori bench io: create_session returned None for the TCP path")
-        self.remote_addr = hello["addr"]
-        self.nixl_error: str = hello["nixl_error"]
-        self.agent: Any = None
-        self.peer_name = ""
-
-    @property
-    def has_nixl(self) -> bool:
-        """Whether NIXL can be measured (it imports on both sides and has not failed)."""
-        return not self.nixl_error
-
-    def nixl_up(self) -> bool:
-        """Create both NIXL agents and connect them; False (and ``nixl_error``) if that fails."""
-        self.conn.send(("nixl_up",))
-        meta, why = self.conn.recv()
-        if meta is None:
-            self.nixl_error = why
-            return False
-        self.agent, why = _make_nixl("bench-initiator", self.buf, self.args.nixl_initiator_thread == "on")
-        if self.agent is None:
-            self.nixl_error = why
-            self.nixl_down()
-            return False
-        self.peer_name = self.agent.add_remote_agent(meta)
-        return True
-
-    def nixl_down(self) -> None:
-        """Destroy both NIXL agents (their progress threads stop)."""
-        self.agent = None
-        gc.collect()
-        self.conn.send(("nixl_down",))
-        self.conn.recv()
+        self.remote_addr: int = hello["addr"]
 
     def route(self) -> str:
         return str(self.engine._route_name(self.local, self.remote))
 
-    # mori
     def mori_post(self, op: str, block: int, batch: int) -> Callable[[], Any]:
         offs = [i * block for i in range(batch)]
         sizes = [block] * batch
@@ -453,106 +581,52 @@ class _CpuInitiator:
         if not st.Succeeded():
             raise RuntimeError(f"mori transfer failed: {st.Code()} {st.Message()}")
 
-    # NIXL
-    def nixl_handle(self, op: str, block: int, batch: int) -> Any:
-        a = self.agent
-        assert a is not None
-        local = a.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", [(self.buf.data_ptr() + i * block, block, 0) for i in range(batch)], "DRAM"
-        )
-        remote = a.prep_xfer_dlist(
-            self.peer_name, [(self.remote_addr + i * block, block, 0) for i in range(batch)], "DRAM"
-        )
-        idx = list(range(batch))
-        return a.make_prepped_xfer(op.upper(), local, idx, remote, idx), (local, remote)
-
-    def nixl_post(self, handle: Any) -> Callable[[], Any]:
-        a = self.agent
-        assert a is not None
-        return lambda: (a.transfer(handle), handle)
-
-    def nixl_wait(self, posted: tuple[str, Any]) -> None:
-        state, handle = posted
-        a = self.agent
-        assert a is not None
-        while state == "PROC":
-            state = a.check_xfer_state(handle)
-        if state != "DONE":
-            raise RuntimeError(f"NIXL transfer failed: state {state}")
-
-    # checks
-    def remote_digest(self, off: int, n: int) -> str:
-        self.conn.send(("digest", off, n))
-        return str(self.conn.recv())
-
-    def verify(self, n: int, frameworks: Sequence[str]) -> dict[str, bool]:
-        """Write our bytes [0, n) to the target and read them back into [n, 2n), for each framework."""
-        out: dict[str, bool] = {}
-        for fw in frameworks:
-            self.buf[n : 2 * n].zero_()
-            if fw == "mori":
-                st = self.engine.write(self.local, 0, self.remote, 0, n, self.engine.allocate_transfer_uid())
-                self.mori_wait(st)
-                wrote = self.remote_digest(0, n) == _digest(self.buf[:n].numpy())
-                st = self.engine.read(self.local, n, self.remote, 0, n, self.engine.allocate_transfer_uid())
-                self.mori_wait(st)
-            else:
-                a = self.agent
-                assert a is not None
-                for op, loff in (("WRITE", 0), ("READ", n)):
-                    h = a.initialize_xfer(
-                        op,
-                        a.get_xfer_descs([(self.buf.data_ptr() + loff, n, 0)], "DRAM"),
-                        a.get_xfer_descs([(self.remote_addr, n, 0)], "DRAM"),
-                        self.peer_name,
-                    )
-                    self.nixl_wait((a.transfer(h), h))
-                    a.release_xfer_handle(h)
-                    if op == "WRITE":
-                        wrote = self.remote_digest(0, n) == _digest(self.buf[:n].numpy())
-            out[fw] = bool(wrote and bool((self.buf[n : 2 * n] == self.buf[:n]).all()))
-        return out
+    def verify(self, n: int) -> bool:
+        """Write our bytes [0, n) to the target and read them back into [n, 2n)."""
+        self.buf[n : 2 * n].zero_()
+        st = self.engine.write(self.local, 0, self.remote, 0, n, self.engine.allocate_transfer_uid())
+        self.mori_wait(st)
+        self.conn.send(("digest", 0, n))
+        wrote = self.conn.recv() == _digest(self.buf[:n].numpy())
+        st = self.engine.read(self.local, n, self.remote, 0, n, self.engine.allocate_transfer_uid())
+        self.mori_wait(st)
+        return bool(wrote and bool((self.buf[n : 2 * n] == self.buf[:n]).all()))
 
 
 def _measure_cpu(
-    args: argparse.Namespace, ini: _CpuInitiator, check: int
-) -> tuple[list[dict[str, Any]], bool]:
+    args: argparse.Namespace, ini: _CpuInitiator, nixl: _Nixl | None, check: int
+) -> tuple[list[dict[str, Any]], bool | None, str]:
     """Every point, in phases: all points with mori, then all with NIXL (its agents created for the
-    phase and destroyed after it), the order reversed every repetition. Returns the rows and
-    whether NIXL's bytes checked out."""
+    phase and destroyed after it), the order reversed every repetition. Returns the rows, whether
+    NIXL's bytes checked out (None: not measured) and why NIXL was not measured."""
     pts = points(args.ops, args.blocks, args.batches, args.max_bytes)
     reps: dict[str, dict[tuple[str, int, int], list[tuple[list[float], list[float]]]]] = {
         "mori": {p: [] for p in pts},
         "nixl": {p: [] for p in pts},
     }
-    names = ["mori", "nixl"] if ini.has_nixl else ["mori"]
-    nixl_verified = nixl_checked = False
+    names = ["mori", "nixl"] if nixl is not None else ["mori"]
+    nixl_verified: bool | None = None
+    why_not = ""
     for r in range(args.reps):
         for name in names if r % 2 == 0 else reversed(names):
-            if name == "nixl":
-                if not ini.has_nixl or not ini.nixl_up():
-                    continue
-                if not nixl_checked:  # the first NIXL phase checks its bytes first
-                    nixl_verified = ini.verify(check, ["nixl"])["nixl"]
-                    nixl_checked = True
             t0 = time.perf_counter()
-            for op, block, batch in pts:
-                iters = iterations(block * batch, args.iters)
-                keep: Any = None
-                wait: Callable[[Any], None]
-                if name == "mori":
-                    post, wait = ini.mori_post(op, block, batch), ini.mori_wait
-                else:
-                    handle, keep = ini.nixl_handle(op, block, batch)
-                    post, wait = ini.nixl_post(handle), ini.nixl_wait
-                time_transfers(post, wait, max(2, iters // 10))
-                reps[name][(op, block, batch)].append(time_transfers(post, wait, iters))
-                if keep is not None:
-                    handle.release()
-                    for dl in keep:
-                        dl.release()
-            if name == "nixl":
-                ini.nixl_down()
+            if name == "mori":
+                for op, block, batch in pts:
+                    iters = iterations(block * batch, args.iters)
+                    post = ini.mori_post(op, block, batch)
+                    time_transfers(post, ini.mori_wait, max(2, iters // 10))
+                    reps["mori"][(op, block, batch)].append(time_transfers(post, ini.mori_wait, iters))
+            elif nixl is not None and not why_not:
+                why_not = nixl.up(ini.remote_addr)
+                if why_not:
+                    continue
+                if nixl_verified is None:  # the first NIXL phase checks its bytes first
+                    nixl_verified = nixl.verify(check)
+                for p, samples in nixl.measure(pts, args.iters).items():
+                    reps["nixl"][p].append(samples)
+                nixl.down()
+            else:
+                continue
             print(f"  rep {r + 1}/{args.reps}: {name} done in {time.perf_counter() - t0:.1f} s", flush=True)
     rows = []
     for op, block, batch in pts:
@@ -570,7 +644,7 @@ def _measure_cpu(
         if "nixl" in row:
             row["ratio"] = row["mori"]["gbps"] / row["nixl"]["gbps"]
         rows.append(row)
-    return rows, nixl_verified
+    return rows, nixl_verified, why_not
 
 
 _COLUMNS = ["op", "block", "batch", "mori GB/s", "min-max", "avg us", "p99 us", "post us"]
@@ -654,30 +728,34 @@ def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
     if "UCX_LOG_LEVEL" not in os.environ:  # UCX writes the transports it picks at level info
         env["UCX_LOG_LEVEL"] = "info"
         env["UCX_LOG_FILE"] = os.path.join(log_dir, "ucx.%p.log")
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_target, args=(child, nbytes, args.tcp_cma == "on", args.nixl == "on", env))
     proc.start()
+    nixl: _Nixl | None = None
     try:
         hello = await_target(parent, proc, 120.0)
         ini = _CpuInitiator(args, parent, hello, nbytes)
+        why_not = str(hello["nixl_error"])
+        if not why_not:
+            nixl = _Nixl(ctx, parent, nbytes, env, args.nixl_initiator_thread == "on")
         check = min(4 * MiB, nbytes // 2)
-        verified = ini.verify(check, ["mori"])
+        verified: dict[str, bool] = {"mori": ini.verify(check)}
         print(
             f"mori bench io --device cpu: 2 processes on loopback, mode {args.mode}, route {ini.route()!r}, "
             f"{args.reps} reps, buffers {bench.human_bytes(nbytes)}"
         )
         print(
-            "phases: every point with mori, then every point with NIXL (agents alive only then), "
+            "phases: every point with mori, then every point with NIXL (its agents alive only then), "
             "order reversed each rep"
         )
-        rows, nixl_ok = _measure_cpu(args, ini, check)
-        if any("nixl" in r for r in rows):
+        rows, nixl_ok, why = _measure_cpu(args, ini, nixl, check)
+        why_not = why_not or why
+        measured = any("nixl" in r for r in rows)
+        if measured and nixl_ok is not None:
             verified["nixl"] = nixl_ok
         else:
-            print(f"NIXL baseline: unavailable ({ini.nixl_error})")
+            print(f"NIXL baseline: unavailable ({why_not})")
         print(
             "GB/s = block x batch x iters / sum of latencies, median of reps (1 GB = 1e9 B); ratio = mori/NIXL"
         )
@@ -685,31 +763,32 @@ def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
         _print_header("NIXL")
         for row in rows:
             _print_row(row)
+        route = ini.route()
+        ini.engine.shutdown()
+        if nixl is not None:
+            nixl.stop()
         parent.send(("stop",))
         parent.recv()
     finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        for p in (proc, nixl.proc if nixl is not None else None):
+            if p is not None:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
     transports = ucx_transports(log_dir)
     info = {
-        "route": ini.route(),
+        "route": route,
         "mode": args.mode,
         "tcp_cma": args.tcp_cma,
         "verified": verified,
-        "nixl": "measured" if any("nixl" in r for r in rows) else f"unavailable: {ini.nixl_error}",
-        "nixl_agents": "created per NIXL phase; target with NIXL's progress thread, initiator "
-        + ("with" if args.nixl_initiator_thread == "on" else "without (it polls)"),
+        "nixl": "measured" if measured else f"unavailable: {why_not}",
+        "nixl_agents": "created per NIXL phase, initiator in a process of its own; target with NIXL's progress "
+        "thread, initiator " + ("with one" if args.nixl_initiator_thread == "on" else "without (it polls)"),
         "nixl_version": _version("nixl"),
         "ucx_tls": args.ucx_tls or os.environ.get("UCX_TLS") or "unset (UCX default)",
         "ucx_transports": transports,
     }
-    if any("nixl" in r for r in rows):
+    if measured:
         print(f"NIXL UCX_TLS={info['ucx_tls']}; UCX endpoint lanes: {'; '.join(transports) or 'not logged'}")
     return info, rows
 
