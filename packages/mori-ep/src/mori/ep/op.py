@@ -79,6 +79,22 @@ DISPATCH_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch
 COMBINE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 
 
+_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _words(nb: int, *byte_rows: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
+    """View 2-D byte tensors (contiguous rows) as rows of the widest integer word dividing ``nb``,
+    their row lengths, strides and addresses; return (word bytes, the views cut to ``nb`` bytes).
+    Row gathers and scatters of 8-byte words run several times faster than of single bytes."""
+    w = next(
+        w
+        for w in (8, 4, 2, 1)
+        if nb % w == 0
+        and all(t.shape[-1] % w == 0 and t.stride(-2) % w == 0 and t.data_ptr() % w == 0 for t in byte_rows)
+    )
+    return w, [t.view(_WORD_DTYPES[w])[:, : nb // w] for t in byte_rows]
+
+
 def _names(dtypes: Sequence[torch.dtype]) -> str:
     return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
 
@@ -624,7 +640,8 @@ class EpDispatchCombineOp:
                 if toks.numel() == 0:
                     continue
                 slots = dest_slot[p, toks].long()
-            self._p_tok[p][:, :nb][slots] = inp_b[toks]
+            _, (dst, src) = _words(nb, self._p_tok[p], inp_b)
+            dst[slots] = src[toks]
             self._p_w[p][slots] = wts[toks]
             if sc_b is not None:
                 self._p_scales[p][:, :sb][slots] = sc_b[toks]
@@ -860,7 +877,8 @@ class EpDispatchCombineOp:
             if rows.numel() == 0:
                 continue
             toks = src_tok[rows]
-            self._p_stage_tok[p][rank, :, :nb][toks] = inp_b[rows]
+            _, (dst, src) = _words(nb, self._p_stage_tok[p][rank], inp_b)
+            dst[toks] = src[rows]
             if scales is not None:
                 assert self._p_stage_sc is not None
                 self._p_stage_sc[p][rank, :, : scales.shape[1]][toks] = scales[rows]
@@ -925,9 +943,9 @@ class EpDispatchCombineOp:
             if toks.numel() == 0:
                 continue
             if quant == "none":
-                rows = self._stage_tok[p, :, :nb][toks].view(out.dtype).float()
+                rows = _words(nb, self._stage_tok[p])[1][0][toks].view(out.dtype).float()
             else:  # dequantise the fp8 wire rows (and their block scales) to fp32
-                rows = self._stage_tok[p, :, :nb][toks].view(torch.float8_e4m3fn).float()
+                rows = _words(nb, self._stage_tok[p])[1][0][toks].view(torch.float8_e4m3fn).float()
                 if self._stage_sc is not None:
                     nblk = h // self._quant_block
                     sc = self._stage_sc[p, :, :nblk][toks]
