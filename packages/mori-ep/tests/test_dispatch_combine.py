@@ -253,7 +253,7 @@ def _quant_round(op: EpDispatchCombineOp, seed: int, tol: float, *, big: bool = 
     if big:
         for d in all_in:
             d["x"][::2] = d["x"][::2] * 100
-    me = all_in[rank]
+    me = _dev(op, all_in[rank])
     outs = op.dispatch(me["x"], me["w"], me["s"], me["idx"])
     if op.config.kernel_type == KT.AsyncLL:
         op.dispatch_recv()
@@ -263,31 +263,32 @@ def _quant_round(op: EpDispatchCombineOp, seed: int, tol: float, *, big: bool = 
         op.combine_recv()
     else:
         got = op.combine(outs[0][:total], outs[1], me["idx"])
-    _check_combine(op, got, me, torch.bfloat16, tol)
+    _check_combine(op, got, all_in[rank], torch.bfloat16, tol)
     if big and me["n"]:
         assert float(got[0][: me["n"]].float().abs().max()) > 448, "large values were not kept"
 
 
-def _quant(rank: int, world: int) -> str:
+def _quant(rank: int, world: int, impl: str = "host") -> str:
     # MORI_FP8_COMBINE_SCALE_DIM=4 (set by the test): blocks of H / 4 = 32 elements
     # fp8_direct_cast: the staging buffer holds fp8 (one byte per element)
-    dc = EpDispatchCombineOp(_config(rank, world, quant_type="fp8_direct_cast"))
+    dc = _op(impl, rank, world, quant_type="fp8_direct_cast")
     assert dc._stage_tok.shape[-1] == H and dc._stage_sc is None
     for it in range(3):
         _quant_round(dc, 80 + it, 1e-1)
     # fp8_blockwise: fp8 rows plus 4 fp32 scales per row; rows far above 448 survive
-    bw = EpDispatchCombineOp(_config(rank, world, quant_type="fp8_blockwise"))
+    bw = _op(impl, rank, world, quant_type="fp8_blockwise")
     assert bw._stage_tok.shape[-1] == H
     assert bw._stage_sc is not None and bw._stage_sc.shape[-1] == 4
     for it in range(3):
         _quant_round(bw, 85 + it, 7e-2, big=it > 0)
     for kt in (KT.IntraNodeLL, KT.AsyncLL):
         for quant in ("fp8_direct_cast", "fp8_blockwise"):
-            op = EpDispatchCombineOp(_config(rank, world, kernel_type=kt, quant_type=quant))
+            op = _op(impl, rank, world, kernel_type=kt, quant_type=quant)
             _quant_round(op, 90, 1e-1 if quant == "fp8_direct_cast" else 7e-2, big=quant == "fp8_blockwise")
 
     # error paths: raised before anything is sent, so every rank raises and the ops stay usable
-    me = _inputs(95, rank, world, "random", torch.bfloat16, K)
+    me = _dev(dc, _inputs(95, rank, world, "random", torch.bfloat16, K))
+    dev = dc._recv_tok.device
     for op in (dc, bw):
         outs = op.dispatch(me["x"], me["w"], None, me["idx"])
         total = int(outs[4][0])
@@ -300,28 +301,28 @@ def _quant(rank: int, world: int) -> str:
             op.combine(buf, None, me["idx"], use_external_inp_buf=False)
         op.combine(buf, None, me["idx"])  # the registered buffer is fine as an external input
     with pytest.raises(MoriValueError, match=r"input\.shape\[1\]=16 .*block of 32"):
-        bw.combine(torch.zeros(M * world, 16).bfloat16(), None, me["idx"])
+        bw.combine(torch.zeros(M * world, 16, device=dev).bfloat16(), None, me["idx"])
     for quant in ("fp8_direct_cast", "fp8_blockwise"):
         with pytest.raises(MoriValueError, match=r"config\.use_external_inp_buf=False .*True"):
-            EpDispatchCombineOp(_config(rank, world, quant_type=quant, use_external_inp_buf=False))
+            _op(impl, rank, world, quant_type=quant, use_external_inp_buf=False)
     saved = os.environ.get("MORI_FP8_COMBINE_SCALE_DIM")
     try:
         for bad in ("5", "0", "-4", "abc", "256"):
             os.environ["MORI_FP8_COMBINE_SCALE_DIM"] = bad
             with pytest.raises(MoriValueError, match=f"MORI_FP8_COMBINE_SCALE_DIM={bad!r}.*divides"):
-                EpDispatchCombineOp(_config(rank, world, quant_type="fp8_blockwise"))
+                _op(impl, rank, world, quant_type="fp8_blockwise")
         # default 56: H = 128 is not a multiple, H = 112 is (blocks of 2)
         del os.environ["MORI_FP8_COMBINE_SCALE_DIM"]
         with pytest.raises(MoriValueError, match=r"MORI_FP8_COMBINE_SCALE_DIM=56 .*hidden_dim = 128"):
-            EpDispatchCombineOp(_config(rank, world, quant_type="fp8_blockwise"))
-        op = EpDispatchCombineOp(_config(rank, world, quant_type="fp8_blockwise", hidden_dim=112))
+            _op(impl, rank, world, quant_type="fp8_blockwise")
+        op = _op(impl, rank, world, quant_type="fp8_blockwise", hidden_dim=112)
         assert op._stage_sc is not None and op._stage_sc.shape[-1] == 56
-        x = torch.full((2, 112), 1000.0).bfloat16()
-        idx = torch.full((2, K), rank * E_LOCAL, dtype=torch.int32)
+        x = torch.full((2, 112), 1000.0, device=dev).bfloat16()
+        idx = torch.full((2, K), rank * E_LOCAL, dtype=torch.int32, device=dev)
         outs = op.dispatch(x, None, None, idx)
         total = int(outs[4][0])
         got = op.combine(outs[0][:total], None, idx)
-        torch.testing.assert_close(got[0][:2].float(), x.float(), rtol=7e-2, atol=7e-2)
+        torch.testing.assert_close(got[0][:2].float().cpu(), x.float().cpu(), rtol=7e-2, atol=7e-2)
         # the variable is read when an op is built, not at each call
         os.environ["MORI_FP8_COMBINE_SCALE_DIM"] = "5"
         outs = op.dispatch(x, None, None, idx)
@@ -504,6 +505,11 @@ def test_kernels_scenarios(world: int) -> None:
     shmem_ranks(_scenarios, world, "triton", 4, env=INTERPRET, timeout=300)
 
 
+def test_kernels_combine_fp8_wire_quantisation() -> None:
+    env = {**INTERPRET, "MORI_FP8_COMBINE_SCALE_DIM": "4"}
+    assert shmem_ranks(_quant, 2, "triton", env=env, timeout=300) == ["ok", "ok"]
+
+
 def test_kernels_async_ll_split() -> None:
     shmem_ranks(_async_ll, 2, "triton", env=INTERPRET, timeout=300)
 
@@ -537,6 +543,15 @@ GPU_CONFIGS = [
 @pytest.mark.parametrize(("nranks", "gpus"), GPU_CONFIGS)
 def test_gpu_scenarios(nranks: int, gpus: int) -> None:
     _on_gpus(_scenarios, nranks, gpus)
+
+
+@pytest.mark.cuda
+def test_gpu_combine_fp8_wire_quantisation() -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    env = {"MORI_DEVICE_RUNTIME": "cuda", "MORI_SHMEM_HEAP_SIZE": "512M", "MORI_TEST_GPUS": "2"}
+    env["MORI_FP8_COMBINE_SCALE_DIM"] = "4"
+    assert shmem_ranks(_quant, 2, "auto", env=env, timeout=300, before_init=_gpu_rank_device) == ["ok", "ok"]
 
 
 @pytest.mark.cuda

@@ -88,6 +88,13 @@ class KernelPath:
         self.comb_w = shmem.mori_shmem_create_tensor((op._r, op._k), torch.float32)
         self.comb_w.zero_()
         op._symm.append(self.comb_w)
+        #: fp8_blockwise combine: the fp32 block scales of the quantised rows, read by peers
+        self.quant = {"none": 0, "fp8_direct_cast": 1, "fp8_blockwise": 2}[op.config.quant_type]
+        self.comb_scales = self.comb_w
+        if self.quant == 2:
+            self.comb_scales = shmem.mori_shmem_create_tensor((op._r, op._quant_scale_dim), torch.float32)
+            self.comb_scales.zero_()
+            op._symm.append(self.comb_scales)
         self.dest_slot = torch.full((w, m), -1, dtype=torch.int32, device=dev)
         self.total_recv = torch.zeros(1, dtype=torch.int32, device=dev)
         self.is_gpu = dev.type != "cpu"
@@ -278,6 +285,10 @@ class KernelPath:
             cinp_typed,
             cinp_typed.stride(0),
             self.comb_w,
+            op._comb_inp.view(torch.float8_e4m3fn),
+            op._comb_inp.stride(0),
+            self.comb_scales,
+            self.comb_scales.shape[1],
             dest_slot,
             out,
             out_w if out_w is not None else self.comb_w,
@@ -294,6 +305,8 @@ class KernelPath:
             COPY=not zero_copy,
             DO_STAGE=bool(phases & kern.STAGE),
             DO_REDUCE=bool(phases & kern.REDUCE),
+            QUANT=self.quant,
+            QB=op._quant_block if self.quant == 2 else 1,
             BT=tile.rows,
             BLOCK=tile.block,
             num_warps=warps,

@@ -362,6 +362,25 @@ def dispatch_recv_kernel(ctrl_ptr, total_ptr, replay_total_ptr, W: tl.constexpr,
     _publish_total(ctrl_ptr, total_ptr, replay_total_ptr, tl.load(ctrl_ptr + EPOCH_D), W, REPLAY)
 
 
+#: largest finite float8_e4m3fn value: the fp8 wire saturates there; blockwise scales map to it
+_FP8_MAX = tl.constexpr(448.0)
+
+
+@device_function
+@triton.jit
+def _round_e4m3(x):
+    # fp32 -> the nearest float8_e4m3fn value (ties to even), saturated at +-448, still in fp32, so
+    # that the cast after it is exact. Done by hand because Triton 3.6's interpreter rounds wrongly
+    # when the rounding carries into the exponent (7.9 -> 4.0), and so that every target rounds
+    # alike: the quantum is 2^(exponent - 3) (3 mantissa bits), 2^-9 below the normal range.
+    bits = x.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    quantum = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    magic = 12582912.0  # 1.5 * 2**23: adding and subtracting it rounds to an integer, ties to even
+    r = ((x / quantum + magic) - magic) * quantum
+    return tl.minimum(tl.maximum(r, -_FP8_MAX), _FP8_MAX)
+
+
 #: what one launch of combine_kernel does (host-side flags): publish this rank's rows (STAGE),
 #: gather and sum every token's rows (REDUCE), or both (GPU: one launch)
 STAGE = 1
@@ -383,6 +402,10 @@ def _combine_variants() -> list[dict[str, Any]]:
         "cinp_typed_ptr": "*bf16",
         "cinp_row_elems": "i32",
         "cw_ptr": "*fp32",
+        "cq_ptr": "*fp8e4nv",
+        "cq_row": "i32",
+        "cs_ptr": "*fp32",
+        "n_scales": "i32",
         "dest_slot_ptr": "*i32",
         "out_ptr": "*bf16",
         "out_w_ptr": "*fp32",
@@ -394,12 +417,14 @@ def _combine_variants() -> list[dict[str, Any]]:
         "M": "i32",
     }
     out = []
-    for w, has_w, copy, dt, phases in (
-        (2, 0, 1, "*bf16", 3),
-        (2, 1, 0, "*bf16", 3),
-        (8, 1, 1, "*bf16", 3),
-        (2, 1, 1, "*fp32", 1),
-        (2, 1, 1, "*fp32", 2),
+    for w, has_w, copy, dt, phases, quant in (
+        (2, 0, 1, "*bf16", 3, 0),
+        (2, 1, 0, "*bf16", 3, 0),
+        (8, 1, 1, "*bf16", 3, 0),
+        (2, 1, 1, "*fp32", 1, 0),
+        (2, 1, 1, "*fp32", 2, 0),
+        (2, 0, 1, "*bf16", 3, 1),
+        (8, 1, 1, "*bf16", 3, 2),
     ):
         out.append(
             {
@@ -412,6 +437,8 @@ def _combine_variants() -> list[dict[str, Any]]:
                     "COPY": copy,
                     "DO_STAGE": int(bool(phases & STAGE)),
                     "DO_REDUCE": int(bool(phases & REDUCE)),
+                    "QUANT": quant,
+                    "QB": 128 if quant == 2 else 1,
                     "BT": 4,
                     "BLOCK": 2048,
                 },
@@ -425,7 +452,7 @@ def _combine_variants() -> list[dict[str, Any]]:
                     "ctx_ptr",
                 ),
                 "num_warps": 16,
-                "label": f"W={w} {dt[1:]} weights={has_w} copy={copy} phases={phases}",
+                "label": f"W={w} {dt[1:]} weights={has_w} copy={copy} phases={phases} quant={quant}",
             }
         )
     return out
@@ -453,6 +480,12 @@ def combine_kernel(
     cinp_typed_ptr,
     cinp_row_elems,
     cw_ptr,
+    # wire quantisation (QUANT > 0): the registered buffer as fp8 e4m3fn rows of cq_row bytes, and
+    # fp32 block scales [R, n_scales] (symmetric; QUANT = 2)
+    cq_ptr,
+    cq_row,
+    cs_ptr,
+    n_scales,
     # int32 [W, M] from the dispatch: token t went to rank p iff dest_slot[p, t] >= 0, as row
     # dest_slot[p, t] of p's receive buffer, hence of p's combine input
     dest_slot_ptr,
@@ -472,6 +505,8 @@ def combine_kernel(
     COPY: tl.constexpr,
     DO_STAGE: tl.constexpr,
     DO_REDUCE: tl.constexpr,
+    QUANT: tl.constexpr,
+    QB: tl.constexpr,
     BT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -486,6 +521,11 @@ def combine_kernel(
     and waits until every peer has read this rank's, so the buffer may be rewritten afterwards.
     One launch on a GPU, where every program is resident; two under the interpreter (programs
     run one after another) and for AsyncLL's split.
+
+    ``QUANT`` (bf16 input, copied): the rows peers read cross the wire as fp8 e4m3fn, saturating
+    (1: ``fp8_direct_cast``), or with blocks of ``QB`` elements whose max ``|x|`` exceeds 448
+    divided by ``max|x| / 448`` first, the fp32 scales stored beside the row (2:
+    ``fp8_blockwise``); the reader dequantises. Rows that stay on this rank are not quantised.
     """
     _rd, _dd, READ_C, DONE_C, _s, _ed, EPOCH_C, _td, TICKET_C = _ctrl_offsets(W)
     TICKET_R = 4 * W + 5
@@ -503,7 +543,28 @@ def combine_kernel(
         while r0 < total:
             rows = r0 + offs
             rmask = rows < total
-            if COPY:  # rows of other ranks only: this rank's own are read from the input
+            if QUANT:  # rows of other ranks, quantised to fp8 on the way into the registered buffer
+                pos = tl.load(recv_src_ptr + rows, mask=rmask, other=0)
+                cmask = rmask & (pos // span != me)
+                rows64 = rows.to(tl.int64)
+                c = 0
+                while c < h:
+                    cols = c + cols0
+                    m = cmask[:, None] & (cols < h)[None, :]
+                    x = tl.load(own_ptr + rows64[:, None] * own_stride + cols[None, :], mask=m, other=0.0)
+                    x = x.to(tl.float32)
+                    if QUANT == 2:
+                        xb = tl.reshape(x, [BT, BLOCK // QB, QB])
+                        amax = tl.max(tl.abs(xb), axis=2)
+                        sc = tl.where(amax > _FP8_MAX, amax / _FP8_MAX, 1.0)
+                        x = tl.reshape(xb / sc[:, :, None], [BT, BLOCK])
+                        bidx = c // QB + tl.arange(0, BLOCK // QB)
+                        ms = cmask[:, None] & (bidx < n_scales)[None, :]
+                        tl.store(cs_ptr + rows64[:, None] * n_scales + bidx[None, :], sc, mask=ms)
+                    q = _round_e4m3(x).to(cq_ptr.dtype.element_ty)
+                    tl.store(cq_ptr + rows64[:, None] * cq_row + cols[None, :], q, mask=m)
+                    c += BLOCK
+            elif COPY:  # rows of other ranks only: this rank's own are read from the input
                 pos = tl.load(recv_src_ptr + rows, mask=rmask, other=0)
                 cmask = rmask & (pos // span != me)
                 c = 0
@@ -542,12 +603,20 @@ def combine_kernel(
                     if p == me:
                         m = ((slot >= 0) & (slot < n_inp_rows))[:, None] & cm[None, :]
                         v = tl.load(own_ptr + slot[:, None] * own_stride + cols[None, :], mask=m, other=0.0)
+                        v = v.to(tl.float32)  # (every branch yields fp32: Triton wants one type)
+                    elif QUANT:
+                        mr = (slot >= 0)[:, None] & cm[None, :]
+                        src_q = shd.ptr_p2p(cq_ptr + slot * cq_row, p, ctx_ptr)
+                        v = tl.load(src_q[:, None] + cols[None, :], mask=mr, other=0.0).to(tl.float32)
+                        if QUANT == 2:
+                            src_s = shd.ptr_p2p(cs_ptr + slot * n_scales, p, ctx_ptr)
+                            v = v * tl.load(src_s[:, None] + (cols // QB)[None, :], mask=mr, other=1.0)
                     else:
                         src = shd.ptr_p2p(cinp_typed_ptr + slot * cinp_row_elems, p, ctx_ptr)
                         v = tl.load(
                             src[:, None] + cols[None, :], mask=(slot >= 0)[:, None] & cm[None, :], other=0.0
-                        )
-                    acc += v.to(tl.float32)
+                        ).to(tl.float32)
+                    acc += v
                 out = out_ptr + toks.to(tl.int64)[:, None] * h + cols[None, :]
                 tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & cm[None, :])
                 c += BLOCK

@@ -308,10 +308,12 @@ class EpDispatchCombineOp:
         dev = self._recv_tok.device
         self._kern: KernelPath | None = None
         if kernels_requested(dev, impl):
-            if config.quant_type != "none":
+            qb = self._quant_block
+            if qb and (qb & (qb - 1) or qb > 2048):
                 raise MoriBackendError(
-                    f"{func}: quant_type={config.quant_type!r} is implemented on the host path only; the "
-                    "Triton kernels move combine rows unquantised (quant_type='none')"
+                    f"{func}: quant_type='fp8_blockwise' with blocks of {qb} elements (hidden_dim / "
+                    f"{SCALE_DIM_ENV}) is implemented on the host path only; the Triton kernels need a "
+                    "power-of-two block of at most 2048 elements"
                 )
             self._kern = KernelPath(self)  # collective: allocates its control words
         self._total_recv = self._kern.total_recv if self._kern else torch.zeros(1, dtype=torch.int32)
