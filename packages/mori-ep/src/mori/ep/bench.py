@@ -98,6 +98,8 @@ DTYPES = ("bf16", "fp8")
 KERNEL_TYPES = ("IntraNode", "IntraNodeLL", "AsyncLL")
 #: combine tolerance against x * U (bf16 output of an fp32 sum of at most world equal bf16 rows)
 RTOL, ATOL = 2e-2, 2e-2
+#: combine check tolerance (relative and absolute) when rows cross as fp8 (--combine-quant)
+FP8_WIRE_TOL = 1e-1
 
 
 # -- the ``mori bench ep`` suite ----------------------------------------------------------------------
@@ -161,6 +163,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--warps", type=int, default=-1, help="warp_per_block given to dispatch and combine (-1 = the op's)"
     )
     p.add_argument("--kernel-type", choices=KERNEL_TYPES, default="IntraNode", help="(default IntraNode)")
+    p.add_argument(
+        "--combine-quant",
+        choices=["none", "fp8_direct_cast", "fp8_blockwise"],
+        default="none",
+        help="combine wire format (the config's quant_type; fp8 rows cross to other ranks, checked "
+        "with a 10%% tolerance); default none",
+    )
     p.add_argument(
         "--zero-copy",
         action="store_true",
@@ -236,7 +245,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 #: the options the ranks need (the rest stays in this process)
 _SPEC_KEYS: tuple[str, ...] = ("device", "ranks", "tokens", "hidden", "experts", "topk", "dtype", "sms")
-_SPEC_KEYS += ("warps", "kernel_type", "iters", "warmup", "reps", "seed", "zero_copy")
+_SPEC_KEYS += ("warps", "kernel_type", "iters", "warmup", "reps", "seed", "zero_copy", "combine_quant")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -649,6 +658,7 @@ def _case(
         num_experts_per_token=k,
         kernel_type=kt,
         use_external_inp_buf=not spec["zero_copy"],
+        quant_type=spec["combine_quant"],
     )
     op = EpDispatchCombineOp(cfg)
     warps = spec["warps"]
@@ -677,7 +687,8 @@ def _case(
         return res
 
     combined = combine(spec["sms"][0])[0][:tokens].float()
-    ok = n_recv == rows[rank] and bool(torch.allclose(combined, expected, rtol=RTOL, atol=ATOL))
+    tol = RTOL if spec["combine_quant"] == "none" else FP8_WIRE_TOL
+    ok = n_recv == rows[rank] and bool(torch.allclose(combined, expected, rtol=tol, atol=tol))
     timer = _Timer(spec, dev)
     ours = []
     for sms in spec["sms"]:
@@ -848,6 +859,8 @@ def _report(spec: dict[str, Any], results: list[dict[str, Any]], rows: list[dict
     table = []
     for r in rows:
         zc = ", zero-copy" if spec.get("zero_copy") else ""
+        if spec.get("combine_quant", "none") != "none":
+            zc += f", {spec['combine_quant']} wire"
         dtype = r["dtype"] if r["phase"] == "dispatch" else f"bf16 ({r['dispatch_dtype']} run{zc})"
         b = r.get("baseline")
         table.append(
