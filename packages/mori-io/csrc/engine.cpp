@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdio>
 #include <random>
+#include <stdexcept>
 
 namespace mori::io {
 
