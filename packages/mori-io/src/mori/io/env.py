@@ -83,7 +83,27 @@ MORI_IO_TCP_CMA = EnvVar(
     "1/0, on/off, true/false, yes/no",
 )
 
+
 #: every variable mori-io reads, in the order `mori env` prints them
+def _threshold(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("must be a whole number >= 0")
+    return value
+
+
+MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD = EnvVar(
+    "MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD",
+    "8",
+    "XGMI backend: a batch with at least this many blocks of at most 1 MiB (after merging contiguous "
+    "ones) is copied by one launch of the Triton scatter-gather kernel instead of one copy per block; "
+    "0 turns the kernel off.",
+    "4",
+    _threshold,
+    "a whole number >= 0 (0 = never use the kernel)",
+)
+
+
 ALL: tuple[EnvVar[object], ...] = (
     MORI_IO_CP_TIMEOUT_MS,  # type: ignore[assignment]
     MORI_IO_AUTH_TOKEN,
@@ -92,4 +112,5 @@ ALL: tuple[EnvVar[object], ...] = (
     MORI_IO_CHUNK_BYTES,
     MORI_IO_TCP_CONNS_PER_PEER,
     MORI_IO_TCP_CMA,
+    MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD,
 )

@@ -49,8 +49,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mori.core.env import EnvVar
 from mori.core.errors import MoriBackendError, MoriTimeoutError, MoriValueError
+from mori.io.env import MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD
 
 try:  # numpy makes planning a batch of thousands of blocks take microseconds; it is optional
     import numpy as _np
@@ -87,24 +87,6 @@ SG_MAX_SPLIT = 16
 #: batches of at least this many blocks are planned and checked with numpy (fewer: plain Python)
 NUMPY_MIN_BLOCKS = 8
 
-
-def _threshold(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError("must be a whole number >= 0")
-    return value
-
-
-MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD = EnvVar(
-    "MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD",
-    "8",
-    "XGMI backend: a batch with at least this many blocks of at most 1 MiB (after merging contiguous "
-    "ones) is copied by one launch of the Triton scatter-gather kernel instead of one copy per block; "
-    "0 turns the kernel off.",
-    "4",
-    _threshold,
-    "a whole number >= 0 (0 = never use the kernel)",
-)
 
 # StatusCode values (mori.io.StatusCode; a test checks them); kept here so this module imports
 # without the native engine
