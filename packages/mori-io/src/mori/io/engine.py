@@ -567,14 +567,15 @@ class IOEngine:
     ) -> TransferStatus:
         if self._closed:
             self._check_open(func or op)
-        # Fast path for a cached TCP route: the native engine checks ranges itself (local against
-        # its table, remote against the descriptor, the target against its own table) and rejects
-        # anything that is not a non-negative int with TypeError; only then does the slow path run,
-        # to name the bad argument. Per-block Python checks would dominate a batch of 4 KiB blocks.
+        # Fast path for a cached route whose backend checks ranges itself: the TCP backend's native
+        # engine (local against its table, remote against the descriptor, the target against its
+        # own table), or a backend that says so (``checks_ranges``, e.g. XGMI); both reject anything
+        # that is not a non-negative int with TypeError, and only then does the slow path run, to
+        # name the bad argument. Per-block Python checks would dominate a batch of small blocks.
         if type(local) is MemoryDesc and type(remote) is MemoryDesc:
             backend = self._routes.get((local.id, remote.engine_key, remote.id))
             if (
-                type(backend) is _TcpBackend
+                (type(backend) is _TcpBackend or getattr(backend, "checks_ranges", False) is True)
                 and len(loffs) == len(roffs) == len(sizes)
                 and local.engine_key == self.key
                 and local.id in self._local
