@@ -346,6 +346,8 @@ def _errors(rank: int, world: int) -> str:
             EpDispatchCombineOp(_config(rank, world, kernel_type=kt))
     with pytest.raises(MoriBackendError, match="quant_type"):
         EpDispatchCombineOp(_config(rank, world, quant_type="fp4_blockwise"))
+    with pytest.raises(MoriValueError, match=r"impl='cuda' .*'auto', 'host', 'triton'"):
+        EpDispatchCombineOp(_config(rank, world), impl="cuda")
     op = EpDispatchCombineOp(_config(rank, world))
     x, w, s = torch.randn(3, H).bfloat16(), torch.rand(3, K), torch.randn(3, SCALE_DIM)
     idx = torch.zeros(3, K, dtype=torch.int32)

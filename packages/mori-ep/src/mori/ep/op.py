@@ -306,6 +306,13 @@ class EpDispatchCombineOp:
         self._disp_epoch = 0
         self._comb_epoch = 0
         dev = self._recv_tok.device
+        if impl == "host" and dev.type != "cpu":
+            raise bad_value(
+                func,
+                "impl",
+                impl,
+                f"'auto' or 'triton' on the {dev.type} heap (the host path runs on the cpu runtime)",
+            )
         self._kern: KernelPath | None = None
         if kernels_requested(dev, impl):
             qb = self._quant_block
