@@ -350,23 +350,8 @@ def count_callers(found: list[Found]) -> None:
 # -- compiling ----------------------------------------------------------------------------------------
 
 
-#: errors seen to come and go between identical runs (the AMD linker once failed with an empty
-#: reason on one variant that linked in every rerun): such a compile is retried once, and its
-#: message says so
-TRANSIENT_ERRORS = ("RuntimeError: LLD failed to link",)
-
-
 def compile_one(task: Task, out_dir: str | None) -> tuple[Task, bool, str, float]:
     """Compile one variant for one target; (task, ok, message, seconds). Runs in a worker."""
-    task, ok, message, seconds = _compile_once(task, out_dir)
-    if not ok and message.startswith(TRANSIENT_ERRORS):
-        task, ok, again, more = _compile_once(task, out_dir)
-        message = f"{again} (retried once after: {message[:200]})"
-        seconds += more
-    return task, ok, message, seconds
-
-
-def _compile_once(task: Task, out_dir: str | None) -> tuple[Task, bool, str, float]:
     t0 = time.perf_counter()
     try:
         import triton
@@ -442,18 +427,18 @@ def main(argv: list[str] | None = None) -> int:
             for t in targets
         ]
         results: dict[Task, tuple[bool, str, float]] = {}
-        if args.jobs == 1 or len(tasks) <= 1:
-            for task in tasks:
-                _, ok, msg, secs = compile_one(task, args.out)
-                results[task] = (ok, msg, secs)
-        else:
-            import multiprocessing as mp
+        import multiprocessing as mp
 
-            # fork: the workers inherit the imported modules (nothing has been compiled yet, so no
-            # compiler threads exist to be lost); spawn where fork is not available
-            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        # fork: the workers inherit the imported modules (nothing has been compiled yet, so no
+        # compiler threads exist to be lost); spawn where fork is not available.
+        # One pool per target: a process that compiled for gfx950 and then for gfx942 emitted
+        # gfx950-only fp8 conversions (v_cvt_scalef32_pk_fp8_f32) into the gfx942 code, which then
+        # failed to link (Triton 3.6); workers that never change target cannot mix them up.
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        for target in targets:
+            mine = [t for t in tasks if t.target == target]
             with ProcessPoolExecutor(max_workers=args.jobs, mp_context=mp.get_context(method)) as pool:
-                for task, ok, msg, secs in pool.map(compile_one, tasks, [args.out] * len(tasks)):
+                for task, ok, msg, secs in pool.map(compile_one, mine, [args.out] * len(mine)):
                     results[task] = (ok, msg, secs)
 
     failed = report(found, errors, results, targets, triton.__version__, time.perf_counter() - t0)
@@ -478,7 +463,6 @@ def report(
     rows: list[tuple[str, list[str]]] = []
     details: list[str] = []
     devices: list[str] = []
-    retried: list[str] = []
     for f in sorted(found, key=lambda f: (f.module, f.line)):
         label = _label(f)
         if f.kind == "kernel":
@@ -487,8 +471,6 @@ def report(
                 for t in targets:
                     ok, msg, secs = results[Task(f.module, str(f.path), f.name, i, t)]
                     cells.append(f"ok {secs:4.1f}s" if ok else "ERROR")
-                    if ok and "(retried once after:" in msg:
-                        retried.append(f"{label} [{spec.describe()}] on {t}: {msg}")
                     if not ok:
                         details.append(f"{label} [{spec.describe()}] on {t}: {msg}")
                 rows.append((f"{label} [{spec.describe()}]", cells))
@@ -513,8 +495,6 @@ def report(
         print(textwrap.fill(", ".join(devices), width=110, initial_indent="  ", subsequent_indent="  "))
     n_ok = sum(ok for ok, _, _ in results.values())
     print(f"\n{n_ok}/{len(results)} compiles ok in {seconds:.1f} s")
-    for r in retried:
-        print(f"  retried (transient): {r}")
     if details:
         print(f"\n{len(details)} error(s):", file=sys.stderr)
         for d in details:
