@@ -102,6 +102,9 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join()
+            p.close()  # its sentinel pipe, now, not whenever the garbage collector gets to it
+        out.close()
+        out.join_thread()
     if failures:
         first = min(failures)
         raise RankError(f"rank {first} of {nranks} failed:\n{failures[first]}")
