@@ -266,10 +266,10 @@ class KernelPath:
             # the reduction waits for every program's staging: all of them must be resident at once
             grid = min(grid, self.resident_programs)
         tile = TileConfig.for_row(h, tile_elems, n_tok, grid)
-        src = routing if routing is not None else None
-        recv_src = src.recv_src_pos if src is not None else op._recv_src
-        total = src.total_recv if src is not None else self.total_recv
-        dest_slot = src.dest_slot if src is not None else self.dest_slot
+        # the dispatch to combine: a routing handle's tables, or the live ones of the last dispatch
+        recv_src = routing.recv_src_pos if routing is not None else op._recv_src
+        total = routing.total_recv if routing is not None else self.total_recv
+        dest_slot = routing.dest_slot if routing is not None else self.dest_slot
         wts = weights.contiguous() if weights is not None else self.comb_w  # unused when HAS_W=0
         kern.combine_kernel[(grid,)](
             inp_w,
