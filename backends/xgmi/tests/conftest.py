@@ -27,8 +27,8 @@ from mori_backend_xgmi.transport import XgmiTransport  # noqa: E402
 
 from mori.testing.gpu_runtime import (  # noqa: E402
     GpuBackend,
-    _load,
     interpreted_atomics,
+    load_module_file,
     runtimes,
     world,
 )
@@ -39,7 +39,7 @@ __all__ = ["interpreted_atomics", "runtimes", "world"]
 @pytest.fixture(scope="session")
 def fake() -> ModuleType:
     """The fake library module (_fake_hip.py)."""
-    return _load("mori_xgmi_fake_hip", str(HERE / "_fake_hip.py"))
+    return load_module_file("mori_xgmi_fake_hip", str(HERE / "_fake_hip.py"))
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ The tests marked ``cuda`` run the backend on real GPUs (two of them) through the
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import random
 import sys
@@ -35,20 +34,11 @@ from mori.io import (
     xgmi,
 )
 from mori.io.xgmi import Block, XgmiBackend, merge_blocks, word_bytes
+from mori.testing.gpu_runtime import load_interpreted, load_module_file
 
 ROOT = Path(__file__).resolve().parents[3]
 MiB = 1 << 20
 GPU = int(MemoryLocationType.GPU)
-
-
-def _load(name: str, path: str) -> ModuleType:
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 @pytest.fixture(scope="session")
@@ -57,17 +47,7 @@ def sg() -> ModuleType:
     pytest.importorskip("triton", reason="the scatter-gather kernel needs Triton")
     import mori.io.xgmi_kernels  # noqa: F401  (Triton's own modules load compiled, not interpreted)
 
-    spec = importlib.util.find_spec("mori.io.xgmi_kernels")
-    assert spec is not None and spec.origin is not None
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # triton.jit picks the interpreter when it decorates
-    try:
-        return _load("mori_io_xgmi_kernels_interpreted", spec.origin)
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
+    return load_interpreted("mori.io.xgmi_kernels", "mori_io_xgmi_kernels_interpreted")
 
 
 def _bytes(addr: int, n: int) -> bytes:
@@ -259,7 +239,7 @@ def vendor(request: pytest.FixtureRequest) -> Vendor:
         getattr(importlib.import_module(f"{v['package']}.{mod}"), cls)
         for mod, cls in (c.rsplit(".", 1) for c in v["classes"])
     )
-    fake = _load(f"mori_io_fake_{name}", str(plugin / "tests" / v["fake"][0]))
+    fake = load_module_file(f"mori_io_fake_{name}", str(plugin / "tests" / v["fake"][0]))
     lib_class = getattr(fake, v["fake"][1])
     backend = GpuBackend(
         runtime_class=runtime_class,

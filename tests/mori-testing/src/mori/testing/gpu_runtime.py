@@ -178,7 +178,8 @@ def fake_runtime_class(backend: GpuBackend) -> type[GpuRuntime]:
     return FakeRuntime
 
 
-def _load(name: str, path: str) -> ModuleType:
+def load_module_file(name: str, path: str) -> ModuleType:
+    """Import the file ``path`` as module ``name`` (once per process)."""
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, path)
         assert spec is not None and spec.loader is not None
@@ -195,12 +196,18 @@ def _load(name: str, path: str) -> ModuleType:
 def interpreted_atomics() -> ModuleType:
     """The host-atomic kernel module compiled for the Triton interpreter (runs on CPU memory)."""
     pytest.importorskip("triton", reason="the host-atomic kernel needs Triton")
-    spec = importlib.util.find_spec("mori.core.gpu.atomics")
+    return load_interpreted("mori.core.gpu.atomics", "mori_gpu_atomics_interpreted")
+
+
+def load_interpreted(module: str, alias: str) -> ModuleType:
+    """A second copy of the kernel module ``module``, imported as ``alias`` with
+    ``TRITON_INTERPRET=1`` so that its kernels run on CPU memory (the process keeps compiled ones)."""
+    spec = importlib.util.find_spec(module)
     assert spec is not None and spec.origin is not None
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"  # triton.jit picks the interpreter when it decorates
     try:
-        return _load("mori_gpu_atomics_interpreted", spec.origin)
+        return load_module_file(alias, spec.origin)
     finally:
         if saved is None:
             os.environ.pop("TRITON_INTERPRET", None)
