@@ -117,6 +117,10 @@ def _check_dispatch(
         assert torch.equal(out_idx[:total][rows], d["idx"][toks]), f"indices from rank {s}"
         if out_s is not None:
             assert torch.equal(_bits(out_s[:total][rows]), _bits(d["s"][toks])), f"scales from rank {s}"
+    if op._kern is not None:  # the receiver's table the push combine follows: row of (s, t), or -1
+        expect_slot = torch.full((world, M), -1, dtype=torch.int32)
+        expect_slot[src_rank, src_tok] = torch.arange(total, dtype=torch.int32)
+        assert torch.equal(op._kern.recv_slot.cpu(), expect_slot), "recv_slot disagrees with the rows"
     if not counted:
         return total
     # local expert count over the received (token, k) pairs
@@ -229,7 +233,8 @@ def _replay(rank: int, world: int, impl: str = "host") -> None:
     # layer b overwrites the receive buffers
     outs_b = op.dispatch(db["x"], db["w"], None, db["idx"])
     _check_dispatch(op, outs_b, b)
-    # combine layer a through its handle
+    # combine layer a through its handle (kernels: pushing rows, by the handle's recv_slot)
+    assert (handle.recv_slot is not None) == (impl == "triton")
     got = op.combine(ya, None, da["idx"], routing=handle)
     _check_combine(op, got, a[rank], torch.bfloat16)
     assert got[1] is None
@@ -237,6 +242,7 @@ def _replay(rank: int, world: int, impl: str = "host") -> None:
     all_new = [dict(a[s], **_new_payload(s, a[s]["n"])) for s in range(world)]
     new, n = _dev(op, all_new[rank]), a[rank]["n"]
     rebuilt = type(handle).from_tensors(handle.tensors(), n)
+    assert rebuilt.recv_slot is None  # (kernels: its combine copies into the registered buffer)
     outs_r = op.dispatch(new["x"], new["w"], None, new["idx"], routing=rebuilt)
     assert int(outs_r[4][0]) == ta
     assert torch.equal(op.get_dispatch_src_token_pos(), pos_a), "replay moved rows"

@@ -96,12 +96,23 @@ class KernelPath:
             self.comb_scales.zero_()
             op._symm.append(self.comb_scales)
         self.dest_slot = torch.full((w, m), -1, dtype=torch.int32, device=dev)
+        #: the dispatch's table seen from the receiver (written by the peers' dispatch kernels):
+        #: recv_slot[s, t] = the received row holding rank s's token t, -1 if none
+        self.recv_slot = shmem.mori_shmem_create_tensor((w, m), torch.int32)
+        self.recv_slot.fill_(-1)
+        op._symm.append(self.recv_slot)
         self.total_recv = torch.zeros(1, dtype=torch.int32, device=dev)
         self.is_gpu = dev.type != "cpu"
         #: programs that are surely resident at once (one per SM); the interpreter runs one at a time
         self.resident_programs = (
             torch.cuda.get_device_properties(dev).multi_processor_count if self.is_gpu else 1
         )
+        #: tokens per chunk of the push combine: the same on every rank (a rank flags a chunk to
+        #: a peer, which reduces it), about one chunk per SM and call of M tokens, at most 16
+        self.push_chunk = min(16, _pow2_at_most(max(1, m // self.resident_programs)))
+        self.push_flags = shmem.mori_shmem_create_tensor((w, -(-m // self.push_chunk)), torch.int64)
+        self.push_flags.zero_()
+        op._symm.append(self.push_flags)
         # Triton's num_warps is a power of two; AMD wavefronts are 64 wide, so at most 16 there
         self.max_warps = 16 if torch.version.hip else 32
         #: (arch, model) naming the AUTO tables, e.g. ("sm90", "H200"); None on the CPU
@@ -184,6 +195,7 @@ class KernelPath:
             op._recv_idx,
             op._recv_src,
             dest_slot,
+            self.recv_slot,
             self.total_recv,
             routing.total_recv if routing is not None else self.total_recv,
             self.ctrl,
@@ -245,11 +257,106 @@ class KernelPath:
         warp_per_block: int,
         phases: int,
     ) -> None:
-        """Launch :func:`~mori.ep.kernels.combine_kernel` for ``phases`` (STAGE, REDUCE or both).
+        """Launch the combine for ``phases`` (STAGE, REDUCE or both).
 
-        ``input`` is either any tensor (copied to the registered buffer where peers read it) or
-        the registered buffer itself (zero-copy).
+        ``input`` is either the registered buffer itself (zero-copy: peers read their rows there,
+        :func:`~mori.ep.kernels.combine_kernel`) or any tensor: its rows are pushed to the peers'
+        staging (:func:`~mori.ep.kernels.combine_push_kernel`), or, with wire quantisation or a
+        routing handle that has no ``recv_slot`` table, copied (quantised) into the registered
+        buffer first and gathered from there.
         """
+        op = self.op
+        zero_copy = input.data_ptr() == op._comb_inp.data_ptr()
+        recv_slot = self.recv_slot if routing is None else routing.recv_slot
+        if not zero_copy and self.quant == 0 and recv_slot is not None:
+            self._combine_push(
+                input, weights, out, out_w, n_tok, routing, recv_slot, block_num, warp_per_block, phases
+            )
+        else:
+            self._combine_gather(
+                input, weights, out, out_w, n_tok, routing, block_num, warp_per_block, phases
+            )
+
+    def _combine_push(
+        self,
+        input: torch.Tensor,
+        weights: torch.Tensor | None,
+        out: torch.Tensor,
+        out_w: torch.Tensor | None,
+        n_tok: int,
+        routing: EpDispatchRoutingHandle | None,
+        recv_slot: torch.Tensor,
+        block_num: int,
+        warp_per_block: int,
+        phases: int,
+    ) -> None:
+        op, k, kern = self.op, self.op._k, self.kernels
+        w, m = op.world_size, op._m
+        rows, h = input.shape
+        nb = h * input.element_size()
+        word = _word_size(nb, input.stride(0) * input.element_size(), input.data_ptr(), op._row_bytes)
+        inp_w = _as_words(input, word)
+        stage = op._stage_tok.view(w * m, op._row_bytes)
+        stage_w = _as_words(stage, word)
+        stage_typed = stage.view(input.dtype)
+        grid, warps, tile_elems = self._geometry(
+            "combine", block_num, warp_per_block, input.dtype, n_tok, False
+        )
+        if phases == kern.STAGE | kern.REDUCE:
+            # a chunk's reduction waits for the peers' pushes of it: every program must be resident
+            grid = min(grid, self.resident_programs)
+        ct = self.push_chunk
+        tile = TileConfig.for_row(h, tile_elems, n_tok, grid)
+        dest_slot = routing.dest_slot if routing is not None else self.dest_slot
+        wts = weights.contiguous() if weights is not None else self.comb_w  # unused when HAS_W=0
+        kern.combine_push_kernel[(grid,)](
+            inp_w,
+            inp_w.stride(0),
+            input,
+            input.stride(0),
+            wts,
+            rows,
+            recv_slot,
+            dest_slot,
+            stage_w,
+            stage_w.stride(0),
+            stage_typed,
+            stage_typed.stride(0),
+            op._stage_w,
+            self.push_flags,
+            self.push_flags.shape[1],
+            out,
+            out_w if out_w is not None else self.comb_w,
+            self.ctrl,
+            self.ctx,
+            n_tok,
+            h,
+            nb // word,
+            m,
+            W=w,
+            K=k,
+            K_P2=_pow2_at_least(k),
+            HAS_W=weights is not None,
+            DO_PUSH=bool(phases & kern.STAGE),
+            DO_REDUCE=bool(phases & kern.REDUCE),
+            CT=ct,
+            BT=min(ct, tile.rows),
+            BLOCK=tile.block,
+            num_warps=warps,
+        )
+
+    def _combine_gather(
+        self,
+        input: torch.Tensor,
+        weights: torch.Tensor | None,
+        out: torch.Tensor,
+        out_w: torch.Tensor | None,
+        n_tok: int,
+        routing: EpDispatchRoutingHandle | None,
+        block_num: int,
+        warp_per_block: int,
+        phases: int,
+    ) -> None:
         op, k, kern = self.op, self.op._k, self.kernels
         rows, h = input.shape
         nb = h * input.element_size()

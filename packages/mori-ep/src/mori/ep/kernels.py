@@ -56,6 +56,7 @@ from mori.shmem import device as shd
 __all__ = [
     "N_CTRL_EXTRA",
     "combine_kernel",
+    "combine_push_kernel",
     "dispatch_recv_kernel",
     "dispatch_kernel",
 ]
@@ -150,6 +151,7 @@ def _dispatch_variants() -> list[dict[str, Any]]:
         "recv_idx_ptr": "*i32",
         "recv_src_ptr": "*i32",
         "dest_slot_ptr": "*i32",
+        "recv_slot_ptr": "*i32",
         "total_ptr": "*i32",
         "replay_total_ptr": "*i32",
         "ctrl_ptr": "*i64",
@@ -215,6 +217,9 @@ def dispatch_kernel(
     recv_src_ptr,
     # int32 [W, M]: slot of token t on rank p (written here, or read when REPLAY), -1 if not sent
     dest_slot_ptr,
+    # symmetric int32 [W, M]: the same table seen from the receiver: recv_slot[s, t] on rank p is
+    # the row of p's receive buffers holding rank s's token t, -1 if none (every entry written)
+    recv_slot_ptr,
     # int32 [1] total_recv (written when RECV), int32 [1] the routing handle's (read when REPLAY)
     total_ptr,
     replay_total_ptr,
@@ -293,6 +298,9 @@ def dispatch_kernel(
                 tl.store(dest_slot_ptr + p * M + toks, slot, mask=tmask)
             slots = tl.where(lanes[None, :] == p, slot[:, None], slots)
         ok_all = (slots >= 0) & (slots < R) & tmask[:, None]
+        for p in tl.static_range(W):
+            slot = tl.sum(tl.where(lanes[None, :] == p, tl.where(ok_all, slots, -1), 0), axis=1)
+            tl.store(shd.ptr_p2p(recv_slot_ptr, p, ctx_ptr) + me * M + toks, slot, mask=tmask)
         # metadata: weights, ids, flat source position, scales
         m2 = tmask[:, None] & kmask[None, :]
         ids = tl.load(idx_ptr + toks[:, None] * K + ks[None, :], mask=m2)
@@ -336,6 +344,15 @@ def dispatch_kernel(
                 tl.store(dst_row + cols[None, :], data, mask=ok[:, None] & cm[None, :])
             c += BLOCK
         t0 += BT
+    # tokens this rank does not have this call: no row anywhere (recv_slot is complete every call)
+    per_tail = tl.cdiv(M - n_tok, tl.num_programs(0))
+    t0 = n_tok + pid * per_tail
+    t_end = tl.minimum(t0 + per_tail, M)
+    while t0 < t_end:
+        toks = t0 + cols0
+        for p in tl.static_range(W):
+            tl.store(shd.ptr_p2p(recv_slot_ptr, p, ctx_ptr) + me * M + toks, -1, mask=toks < t_end)
+        t0 += BLOCK
 
     last = _finish(ctrl_ptr, TICKET_D, EPOCH_D, DONE_D, epoch, ctx_ptr, W)
     if RECV:  # noqa: SIM102  (a constexpr and a tensor: Triton takes no `and` here)
@@ -360,6 +377,25 @@ def dispatch_recv_kernel(ctrl_ptr, total_ptr, replay_total_ptr, W: tl.constexpr,
     ``total_recv``, reset the slot counter."""
     _rd, _dd, _rc, _dc, _s, EPOCH_D, _ec, _td, _tc = _ctrl_offsets(W)
     _publish_total(ctrl_ptr, total_ptr, replay_total_ptr, tl.load(ctrl_ptr + EPOCH_D), W, REPLAY)
+
+
+@device_function
+@triton.jit
+def _release_reads(ctrl_ptr, epoch, ctx_ptr, W: tl.constexpr):
+    # every program of combine `epoch` has read what it needed: the last one says so to every peer
+    # (READY_C), then waits until every peer has read what this rank published, so that the next
+    # combine may overwrite it (nothing of this launch waits for that program)
+    _rd, _dd, READ_C, _dc, _s, _ed, _ec, _td, _tc = _ctrl_offsets(W)
+    TICKET_R = 4 * W + 5
+    me = shd.my_pe(ctx_ptr)
+    shd.fence(ctx_ptr)
+    ticket = tl.atomic_add(ctrl_ptr + TICKET_R, 1, sem="acq_rel", scope="sys")
+    if ticket == tl.num_programs(0) - 1:
+        tl.store(ctrl_ptr + TICKET_R, 0)
+        for q in tl.static_range(W):
+            shd.signal_op(ctrl_ptr + READ_C + me, 1, shd.SIGNAL_ADD, q, ctx_ptr)
+        for q in tl.static_range(W):
+            shd.wait_until(ctrl_ptr + READ_C + q, shd.SHMEM_CMP_GE, epoch)
 
 
 #: largest finite float8_e4m3fn value: the fp8 wire saturates there; blockwise scales map to it
@@ -527,8 +563,7 @@ def combine_kernel(
     divided by ``max|x| / 448`` first, the fp32 scales stored beside the row (2:
     ``fp8_blockwise``); the reader dequantises. Rows that stay on this rank are not quantised.
     """
-    _rd, _dd, READ_C, DONE_C, _s, _ed, EPOCH_C, _td, TICKET_C = _ctrl_offsets(W)
-    TICKET_R = 4 * W + 5
+    _rd, _dd, _rc, DONE_C, _s, _ed, EPOCH_C, _td, TICKET_C = _ctrl_offsets(W)
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BT
     me = shd.my_pe(ctx_ptr)
@@ -629,13 +664,215 @@ def combine_kernel(
                     acc_w += tl.load(src_w[:, None] + ks[None, :], mask=mk & (slot >= 0)[:, None], other=0.0)
                 tl.store(out_w_ptr + toks[:, None] * K + ks[None, :], acc_w, mask=mk)
             t0 += step
-        # every program has read what it needed: the last one says so to every peer, then waits
-        # until every peer has read this rank's rows (nothing of this launch waits for it)
-        shd.fence(ctx_ptr)
-        ticket = tl.atomic_add(ctrl_ptr + TICKET_R, 1, sem="acq_rel", scope="sys")
-        if ticket == tl.num_programs(0) - 1:
-            tl.store(ctrl_ptr + TICKET_R, 0)
-            for q in tl.static_range(W):
-                shd.signal_op(ctrl_ptr + READ_C + me, 1, shd.SIGNAL_ADD, q, ctx_ptr)
-            for q in tl.static_range(W):
-                shd.wait_until(ctrl_ptr + READ_C + q, shd.SHMEM_CMP_GE, target)
+        _release_reads(ctrl_ptr, target, ctx_ptr, W)
+
+
+def _combine_push_variants() -> list[dict[str, Any]]:
+    sig = {
+        "inp_ptr": "*i32",
+        "inp_stride": "i64",
+        "own_ptr": "*bf16",
+        "own_stride": "i64",
+        "w_ptr": "*fp32",
+        "n_inp_rows": "i32",
+        "recv_slot_ptr": "*i32",
+        "dest_slot_ptr": "*i32",
+        "stage_ptr": "*i32",
+        "stage_row_words": "i32",
+        "stage_typed_ptr": "*bf16",
+        "stage_row_elems": "i32",
+        "stage_w_ptr": "*fp32",
+        "flag_ptr": "*i64",
+        "n_chunks": "i32",
+        "out_ptr": "*bf16",
+        "out_w_ptr": "*fp32",
+        "ctrl_ptr": "*i64",
+        "ctx_ptr": "*i64",
+        "n_tok": "i32",
+        "h": "i32",
+        "row_words": "i32",
+        "M": "i32",
+    }
+    out = []
+    for w, has_w, dt, phases, ct, bt in (
+        (2, 0, "*bf16", 3, 16, 16),
+        (2, 1, "*bf16", 3, 16, 8),
+        (2, 0, "*bf16", 3, 1, 1),
+        (8, 1, "*bf16", 3, 16, 4),
+        (2, 1, "*fp32", 1, 16, 4),
+        (2, 1, "*fp32", 2, 16, 4),
+    ):
+        out.append(
+            {
+                "signature": {**sig, "own_ptr": dt, "stage_typed_ptr": dt, "out_ptr": dt},
+                "constexprs": {
+                    "W": w,
+                    "K": 8,
+                    "K_P2": 8,
+                    "HAS_W": has_w,
+                    "DO_PUSH": int(bool(phases & STAGE)),
+                    "DO_REDUCE": int(bool(phases & REDUCE)),
+                    "CT": ct,
+                    "BT": bt,
+                    "BLOCK": 2048,
+                },
+                "aligned": (
+                    "inp_ptr",
+                    "own_ptr",
+                    "stage_ptr",
+                    "stage_typed_ptr",
+                    "out_ptr",
+                    "ctrl_ptr",
+                    "ctx_ptr",
+                ),
+                "num_warps": 16,
+                "label": f"W={w} {dt[1:]} weights={has_w} phases={phases} CT={ct} BT={bt}",
+            }
+        )
+    return out
+
+
+@aot_variants(_combine_push_variants())
+@triton.jit
+def combine_push_kernel(
+    # expert outputs, row i for received row i: as words [>= n_inp_rows, >= row_words] and typed
+    # like the output; combine weights fp32 [>= n_inp_rows, K]
+    inp_ptr,
+    inp_stride,
+    own_ptr,
+    own_stride,
+    w_ptr,
+    n_inp_rows,
+    # int32 [W, M] of the dispatch: recv_slot[s, t] = the received row holding rank s's token t
+    # (-1: none); dest_slot[p, t] = the row of rank p holding this rank's token t (-1: not sent)
+    recv_slot_ptr,
+    dest_slot_ptr,
+    # symmetric staging [W, M] rows (words and typed views) and weights [W, M, K]: rank p's row
+    # for this rank's token t lands at [p, t]
+    stage_ptr,
+    stage_row_words,
+    stage_typed_ptr,
+    stage_row_elems,
+    stage_w_ptr,
+    # symmetric int64 [W, n_chunks]: flag[p, c] = the combine epoch once rank p's rows of chunk c
+    # (tokens [c * CT, (c + 1) * CT)) are in this rank's staging
+    flag_ptr,
+    n_chunks,
+    # outputs: tokens [>= n_tok, h], weights fp32 [>= n_tok, K]
+    out_ptr,
+    out_w_ptr,
+    ctrl_ptr,
+    ctx_ptr,
+    n_tok,
+    h,
+    row_words,
+    M,
+    W: tl.constexpr,
+    K: tl.constexpr,
+    K_P2: tl.constexpr,
+    HAS_W: tl.constexpr,
+    DO_PUSH: tl.constexpr,
+    DO_REDUCE: tl.constexpr,
+    CT: tl.constexpr,
+    BT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Combine by pushing, for an expert output outside the registered buffer.
+
+    Tokens are cut into chunks of ``CT`` (the same on every rank); program ``i`` takes chunks
+    ``i, i + G, ...``. PUSH: for each peer ``s``, the rows this rank holds for ``s``'s tokens of the
+    chunk go from the input straight to ``s``'s staging (NVLink / xGMI stores, in ``s``'s token
+    order, so ``s`` can reduce a chunk as soon as it lands), then a fence and one flag per peer.
+    REDUCE: once every peer that holds one of the chunk's tokens flagged it, sum in fp32 and rank
+    order this rank's own rows (from the input) and the staged ones; cast once. A GPU launch does
+    both per chunk, so the NVLink stores of some programs overlap the local reductions of others;
+    the interpreter and AsyncLL's split run PUSH and REDUCE as two launches. Epochs and the
+    READY_C / DONE_C counters advance exactly as in :func:`combine_kernel`, so the two kernels
+    may alternate on one operator.
+    """
+    _rd, _dd, _rc, DONE_C, _s, _ed, EPOCH_C, _td, TICKET_C = _ctrl_offsets(W)
+    pid = tl.program_id(0)
+    me = shd.my_pe(ctx_ptr)
+    offs = tl.arange(0, BT)
+    ks = tl.arange(0, K_P2)
+    kmask = ks < K
+    cols0 = tl.arange(0, BLOCK)
+    if DO_PUSH:
+        epoch = tl.load(ctrl_ptr + EPOCH_C) + 1
+    else:  # advanced by the last program of the PUSH launch
+        epoch = tl.load(ctrl_ptr + EPOCH_C)
+    c = pid
+    while c < n_chunks:
+        if DO_PUSH:
+            for p in tl.static_range(W):
+                if p != me:
+                    for b in tl.static_range(CT // BT):
+                        toks = c * CT + b * BT + offs
+                        row = tl.load(recv_slot_ptr + p * M + toks, mask=toks < M, other=-1)
+                        ok = (row >= 0) & (row < n_inp_rows)
+                        row64 = row.to(tl.int64)
+                        col = 0
+                        while col < row_words:
+                            cols = col + cols0
+                            m = ok[:, None] & (cols < row_words)[None, :]
+                            data = tl.load(inp_ptr + row64[:, None] * inp_stride + cols[None, :], mask=m)
+                            dst_row = (
+                                shd.ptr_p2p(stage_ptr, p, ctx_ptr)
+                                + (me * M + toks).to(tl.int64)[:, None] * stage_row_words
+                            )
+                            tl.store(dst_row + cols[None, :], data, mask=m)
+                            col += BLOCK
+                        if HAS_W:
+                            mk = ok[:, None] & kmask[None, :]
+                            wts = tl.load(w_ptr + row64[:, None] * K + ks[None, :], mask=mk)
+                            dst_w = shd.ptr_p2p(stage_w_ptr, p, ctx_ptr) + (me * M + toks)[:, None] * K
+                            tl.store(dst_w + ks[None, :], wts, mask=mk)
+            shd.fence(ctx_ptr)
+            for p in tl.static_range(W):
+                if p != me:
+                    shd.signal_op(flag_ptr + me * n_chunks + c, epoch, shd.SIGNAL_SET, p, ctx_ptr)
+        if DO_REDUCE:
+            for p in tl.static_range(W):
+                if p != me:
+                    toks = c * CT + tl.arange(0, CT)
+                    sent = tl.load(dest_slot_ptr + p * M + toks, mask=toks < n_tok, other=-1)
+                    if tl.max(sent, axis=0) >= 0:
+                        shd.wait_until(flag_ptr + p * n_chunks + c, shd.SHMEM_CMP_GE, epoch)
+            for b in tl.static_range(CT // BT):
+                toks = c * CT + b * BT + offs
+                tmask = toks < n_tok
+                col = 0
+                while col < h:
+                    cols = col + cols0
+                    cm = cols < h
+                    acc = tl.zeros([BT, BLOCK], dtype=tl.float32)
+                    for p in tl.static_range(W):
+                        slot = tl.load(dest_slot_ptr + p * M + toks, mask=tmask, other=-1)
+                        if p == me:
+                            m = ((slot >= 0) & (slot < n_inp_rows))[:, None] & cm[None, :]
+                            src = own_ptr + slot.to(tl.int64)[:, None] * own_stride
+                        else:
+                            m = (slot >= 0)[:, None] & cm[None, :]
+                            src = stage_typed_ptr + (p * M + toks).to(tl.int64)[:, None] * stage_row_elems
+                        acc += tl.load(src + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                    out = out_ptr + toks.to(tl.int64)[:, None] * h + cols[None, :]
+                    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & cm[None, :])
+                    col += BLOCK
+                if HAS_W:
+                    mk = tmask[:, None] & kmask[None, :]
+                    acc_w = tl.zeros([BT, K_P2], dtype=tl.float32)
+                    for p in tl.static_range(W):
+                        slot = tl.load(dest_slot_ptr + p * M + toks, mask=tmask, other=-1)
+                        if p == me:
+                            src_w = w_ptr + slot[:, None] * K
+                            mw = mk & ((slot >= 0) & (slot < n_inp_rows))[:, None]
+                        else:
+                            src_w = stage_w_ptr + (p * M + toks)[:, None] * K
+                            mw = mk & (slot >= 0)[:, None]
+                        acc_w += tl.load(src_w + ks[None, :], mask=mw, other=0.0)
+                    tl.store(out_w_ptr + toks[:, None] * K + ks[None, :], acc_w, mask=mk)
+        c += tl.num_programs(0)
+    if DO_PUSH:
+        _finish(ctrl_ptr, TICKET_C, EPOCH_C, DONE_C, epoch, ctx_ptr, W)
+    if DO_REDUCE:
+        _release_reads(ctrl_ptr, epoch, ctx_ptr, W)

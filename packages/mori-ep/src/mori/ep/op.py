@@ -146,12 +146,22 @@ class EpDispatchRoutingHandle:
     """
 
     def __init__(
-        self, dest_slot: torch.Tensor, total_recv: torch.Tensor, recv_src_pos: torch.Tensor, num_tokens: int
+        self,
+        dest_slot: torch.Tensor,
+        total_recv: torch.Tensor,
+        recv_src_pos: torch.Tensor,
+        num_tokens: int,
+        recv_slot: torch.Tensor | None = None,
     ) -> None:
         self.dest_slot = dest_slot
         self.total_recv = total_recv
         self.recv_src_pos = recv_src_pos
         self.num_tokens = int(num_tokens)
+        #: int32 [world_size, M] (GPU kernels only): row of this rank's receive buffers holding
+        #: rank ``s``'s token ``t``, ``-1`` if none. It lets combine push rows in their source's
+        #: token order; a handle without it (e.g. rebuilt by :meth:`from_tensors`) combines by
+        #: copying into the registered buffer first, which is slower.
+        self.recv_slot = recv_slot
 
     @property
     def num_recv(self) -> int:
@@ -565,7 +575,9 @@ class EpDispatchCombineOp:
             assert last is not None
             if self._kern is not None:  # snapshot the live tables (device copies, no sync)
                 last = EpDispatchRoutingHandle(
-                    *(t.clone() for t in last.tensors()), num_tokens=last.num_tokens
+                    *(t.clone() for t in last.tensors()),
+                    num_tokens=last.num_tokens,
+                    recv_slot=None if last.recv_slot is None else last.recv_slot.clone(),
                 )
                 self._last = last
             return (*outputs, last)
@@ -693,7 +705,7 @@ class EpDispatchCombineOp:
             else:
                 # the live tables: valid until the next dispatch (return_routing snapshots them)
                 self._last = EpDispatchRoutingHandle(
-                    self._kern.dest_slot, self._total_recv, self._recv_src, pend["n"]
+                    self._kern.dest_slot, self._total_recv, self._recv_src, pend["n"], self._kern.recv_slot
                 )
             return
         self._wait_all(func, 0, pend["epoch"])
