@@ -221,19 +221,18 @@ _VENDORS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="session", params=sorted(_VENDORS))
-def vendor(request: pytest.FixtureRequest) -> Vendor:
-    """Each GPU device plugin of this checkout (or installed), on its fake driver library."""
+def make_vendor(name: str) -> Vendor | None:
+    """The GPU device plugin ``name`` of this checkout (or installed) on its fake driver library;
+    None if it is neither installed nor in this checkout. (Also used by xgmi_host_overhead.py.)"""
     import importlib
 
     from mori.testing.gpu_runtime import GpuBackend, fake_runtime_class
 
-    name = str(request.param)
     v = _VENDORS[name]
     plugin = ROOT / "backends" / name
     if importlib.util.find_spec(v["package"]) is None:
         if not (plugin / "src").is_dir():
-            pytest.skip(f"{v['package']} is neither installed nor in this checkout")
+            return None
         sys.path.insert(0, str(plugin / "src"))
     runtime_class, driver_class, transport_class = (
         getattr(importlib.import_module(f"{v['package']}.{mod}"), cls)
@@ -255,9 +254,22 @@ def vendor(request: pytest.FixtureRequest) -> Vendor:
         context_calls=(),
         memcpy_failure="",
     )
-    names = {op: str(driver_class.NAMES[op]) for op in ("ipc_open", "ipc_close", "event_synchronize")}
+    names = {
+        op: str(driver_class.NAMES[op])
+        for op in ("ipc_open", "ipc_close", "event_synchronize", "event_query")
+    }
     names["memcpy"] = v["memcpy"]
     return Vendor(name, fake_runtime_class(backend), lib_class, fake.FakeWorld, names, v["other_magic"])
+
+
+@pytest.fixture(scope="session", params=sorted(_VENDORS))
+def vendor(request: pytest.FixtureRequest) -> Vendor:
+    """Each GPU device plugin of this checkout (or installed), on its fake driver library."""
+    name = str(request.param)
+    v = make_vendor(name)
+    if v is None:
+        pytest.skip(f"{_VENDORS[name]['package']} is neither installed nor in this checkout")
+    return v
 
 
 class Node:
@@ -517,10 +529,16 @@ def test_a_failed_copy_fails_the_status_with_the_driver_message(node: Node, sg: 
     assert st.Failed() and st.Code() == StatusCode.ERR_GPU_OP
     assert f"{memcpy} failed" in st.Message() and "uid 5" in st.Message()
     del a.rt.lib.fail[memcpy]
-    a.rt.lib.fail[sync] = 700
+    # an error the GPU reports later: every event call fails (as a sticky error does)
+    query = node.call("event_query")
+    a.rt.lib.fail[sync] = a.rt.lib.fail[query] = 700
     st = a.backend.post("write", a.desc, [0], b.desc, [0], [4096], 6)
-    assert st.WaitFor(5000) and st.Code() == StatusCode.ERR_GPU_OP and sync in st.Message()
-    del a.rt.lib.fail[sync]
+    assert st.WaitFor(5000) and st.Code() == StatusCode.ERR_GPU_OP and "uid 6" in st.Message()
+    assert sync in st.Message() or query in st.Message()
+    st = a.backend.post("write", a.desc, [0], b.desc, [0], [4096], 7)
+    st.Wait()  # Wait() (or the completion thread) synchronizes the event
+    assert st.Code() == StatusCode.ERR_GPU_OP and sync in st.Message() and "uid 7" in st.Message()
+    del a.rt.lib.fail[sync], a.rt.lib.fail[query]
     wait_ok(a.backend.post("write", a.desc, [0], b.desc, [0], [4096], 7))  # the backend still works
     a.backend.close()
     b.backend.close()
@@ -583,6 +601,151 @@ def test_kernel_reaches_own_gpu_and_ipc_mappings_only() -> None:
     assert xgmi.kernel_reaches(h(gpu0, 7), gpu0, 7)  # this GPU, this process
     assert xgmi.kernel_reaches(h(gpu1, 8), gpu0, 7)  # another process: IPC enables peer access
     assert not xgmi.kernel_reaches(h(gpu1, 7), gpu0, 7)  # another GPU of this process: maybe no peer access
+
+
+def test_descriptor_tables_are_reused_only_after_their_kernel(
+    node: Node, sg: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD", "4")
+    a = make_side(node, sg, "a", 1000)
+    b = make_side(node, sg, "b", 1001)
+    connect(a, b)
+    offs = [i * 512 for i in range(8)]
+
+    def batch(uid: int) -> None:
+        wait_ok(a.backend.post("write", a.desc, offs, b.desc, offs, [256] * 8, uid))
+
+    batch(1)
+    tables = a.backend._tables
+    assert len(tables) == 1
+    first = tables[0]
+    a.rt.lib.not_ready.add(first.event)  # as if its kernel still ran
+    batch(2)  # must not overwrite a table a kernel may read: a second one
+    assert len(tables) == 2 and tables[0] is first
+    batch(3)  # the second one's kernel is done: reused
+    assert len(tables) == 2
+    a.rt.lib.not_ready.discard(first.event)
+    batch(4)
+    assert len(tables) == 2 and a.backend.counters["kernel_launches"] == 4
+    a.backend.close()
+    b.backend.close()
+    assert first.event not in a.rt.lib.events  # tables (and their events) are freed on close
+
+
+def test_wait_completes_the_status_in_the_calling_thread(node: Node, sg: ModuleType) -> None:
+    a = make_side(node, sg, "a", 1000)
+    b = make_side(node, sg, "b", 1001)
+    connect(a, b)
+
+    class Nowhere:  # the completion thread never hears of these transfers
+        def put(self, item: Any) -> None:
+            pass
+
+    real_queue, a.backend._queue = a.backend._queue, Nowhere()  # type: ignore[assignment]
+    _fill(a.base, b"0123456789abcdef")
+    st = a.backend.post("write", a.desc, [0], b.desc, [64], [16], 1)
+    assert type(st).__name__ == "XgmiTransferStatus" and st.InProgress()
+    st.Wait()
+    assert st.Succeeded() and _bytes(b.base + 64, 16) == b"0123456789abcdef"
+    # WaitFor polls the events: not ready -> False after the timeout, then True once they are
+    st = a.backend.post("read", a.desc, [128], b.desc, [64], [16], 2)
+    events = list(st._xgmi[1].events)
+    a.rt.lib.not_ready.update(events)
+    assert not st.WaitFor(0) and not st.WaitFor(20) and st.InProgress()
+    a.rt.lib.not_ready.difference_update(events)
+    assert st.WaitFor(1000) and st.Succeeded() and _bytes(a.base + 128, 16) == b"0123456789abcdef"
+    assert st._xgmi is None and not a.backend._pending
+    # statuses the thread completes (nobody waits) and Wait() on them still work
+    a.backend._queue = real_queue
+    statuses = [a.backend.post("write", a.desc, [0], b.desc, [i * 16], [16], 10 + i) for i in range(8)]
+    deadline = time.monotonic() + 5
+    while not all(x.Succeeded() for x in statuses) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    for x in statuses:
+        x.Wait()
+        assert x.Succeeded()
+    assert len(a.backend._free_events) <= a.backend.num_events
+    a.backend.close()
+    b.backend.close()
+
+
+def test_large_blocks_can_be_striped_over_streams(
+    node: Node, sg: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MORI_IO_XGMI_STRIPE_BYTES", "16K")
+    a = make_side(node, sg, "a", 1000, num_streams=3)
+    b = make_side(node, sg, "b", 1001)
+    connect(a, b)
+    assert a.backend.stripe_bytes == 16384
+    data = os.urandom(100_000)
+    _fill(a.base, data)
+    memcpy = node.call("memcpy")
+    before = a.rt.lib.calls.count(memcpy)
+    st = a.backend.post("write", a.desc, [0], b.desc, [8], [100_000], 1)
+    assert len(st._xgmi[1].events) == 3  # one piece (and event) per stream
+    wait_ok(st)
+    assert a.rt.lib.calls.count(memcpy) - before == 3
+    assert _bytes(b.base + 8, 100_000) == data
+    before = a.rt.lib.calls.count(memcpy)
+    wait_ok(a.backend.post("write", a.desc, [0], b.desc, [8], [20_000], 2))  # < 2 stripes: one copy
+    assert a.rt.lib.calls.count(memcpy) - before == 1
+    assert a.backend._pieces(0, 0, 100_000) == [(0, 0, 36864), (36864, 36864, 36864), (73728, 73728, 26272)]
+    a.backend.close()
+    b.backend.close()
+
+
+def test_kernel_launches_after_the_first_skip_the_triton_binder(
+    node: Node, sg: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first launch of a word width goes through JITFunction.run; later ones call the
+    compiled kernel's launcher directly, with Triton's launch hooks honoured."""
+    from mori.io import xgmi_kernels
+
+    rt = node.runtime(1000)
+    backend = XgmiBackend("a", "node-a", rt)
+    jit_calls: list[tuple[int, int, int, int]] = []
+    runs: list[tuple[Any, ...]] = []
+
+    class Compiled:
+        function = 0xF00
+        packed_metadata = ("meta",)
+
+        def run(self, *args: Any) -> None:
+            runs.append(args)
+
+        def launch_metadata(self, grid: Any, stream: int, *args: Any) -> dict[str, Any]:
+            return {"grid": grid, "stream": stream}
+
+    def launch_jit(stream: int, table: Any, n: int, split: int, word: int) -> Any:
+        jit_calls.append((stream, n, split, word))
+        return Compiled()
+
+    monkeypatch.setattr(backend, "_launch_jit", launch_jit)
+    table = type("T", (), {"device": 0xABC000})()
+    backend._launch_kernel(7, table, 128, 1, 8)  # type: ignore[arg-type]
+    assert jit_calls == [(7, 128, 1, 8)] and runs == []
+    backend._launch_kernel(9, table, 3, 2, 8)  # type: ignore[arg-type]
+    block = xgmi_kernels.DEFAULT_BLOCK
+    assert runs == [(3, 2, 1, 9, 0xF00, ("meta",), None, None, None, 0xABC000, 3, 2, 8, block)]
+    backend._launch_kernel(9, table, 5, 1, 4)  # another word width: through Triton first
+    assert jit_calls[-1] == (9, 5, 1, 4) and len(runs) == 1
+    # a profiler's launch hook: the launcher gets the hooks and the launch metadata
+    from triton import knobs
+
+    seen: list[Any] = []
+    knobs.runtime.launch_enter_hook.add(seen.append)
+    try:
+        backend._launch_kernel(9, table, 3, 2, 8)  # type: ignore[arg-type]
+    finally:
+        knobs.runtime.launch_enter_hook.remove(seen.append)
+    assert runs[-1][6] == {"grid": (3, 2, 1), "stream": 9} and runs[-1][7] is knobs.runtime.launch_enter_hook
+    # something that is not a compiled kernel: every launch stays on the Triton path
+    monkeypatch.setattr(backend, "_launch_jit", lambda *a: jit_calls.append(a) or None)
+    backend._launchers.clear()
+    backend._launch_kernel(9, table, 3, 2, 8)  # type: ignore[arg-type]
+    backend._launch_kernel(9, table, 3, 2, 8)  # type: ignore[arg-type]
+    assert len(jit_calls) == 4 and not backend._launchers
+    backend.close()
 
 
 def test_batches_to_another_gpu_of_this_process_use_copy_engines(

@@ -39,8 +39,8 @@ first GPU region was registered (call ``torch.cuda.set_device`` first in a multi
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import itertools
 import logging
 import queue
 import threading
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mori.core.errors import MoriBackendError, MoriTimeoutError, MoriValueError
-from mori.io.env import MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD
+from mori.io.env import MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD, MORI_IO_XGMI_STRIPE_BYTES
 
 try:  # numpy makes planning a batch of thousands of blocks take microseconds; it is optional
     import numpy as _np
@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD",
+    "MORI_IO_XGMI_STRIPE_BYTES",
     "Plan",
     "SG_MAX_BLOCK",
     "XgmiBackend",
@@ -72,6 +73,7 @@ __all__ = [
     "out_of_range",
     "merge_blocks",
     "plan",
+    "status_class",
 ]
 
 _log = logging.getLogger("mori.io")
@@ -86,6 +88,9 @@ SG_BYTES_PER_PROGRAM = 64 << 10
 SG_MAX_SPLIT = 16
 #: batches of at least this many blocks are planned and checked with numpy (fewer: plain Python)
 NUMPY_MIN_BLOCKS = 8
+#: WaitFor(timeout) polls the events without sleeping this long, then sleeps, backing off to WAIT_MAX_SLEEP_S
+WAIT_SPIN_S = 100e-6
+WAIT_MAX_SLEEP_S = 1e-3
 
 
 # StatusCode values (mori.io.StatusCode; a test checks them); kept here so this module imports
@@ -135,10 +140,11 @@ class Plan:
     """The copies of one transfer as parallel int64 sequences ``dst``, ``src``, ``size`` (numpy
     arrays when numpy is installed, else lists), contiguous blocks already merged."""
 
-    __slots__ = ("dst", "size", "src")
+    __slots__ = ("_largest", "_word", "dst", "size", "src")
 
     def __init__(self, dst: Any, src: Any, size: Any) -> None:
         self.dst, self.src, self.size = dst, src, size
+        self._largest = self._word = 0  # 0: not known yet
 
     def __len__(self) -> int:
         return len(self.size)
@@ -167,6 +173,8 @@ class Plan:
 
     def word(self) -> int:
         """:func:`word_bytes` of the blocks."""
+        if self._word:
+            return self._word
         if not isinstance(self.size, list) and len(self):
             acc = int(_np.bitwise_or.reduce(self.dst | self.src | self.size))
         else:
@@ -179,6 +187,8 @@ class Plan:
         return 1
 
     def largest(self) -> int:
+        if self._largest:
+            return self._largest
         if not len(self):
             return 0
         return int(max(self.size)) if isinstance(self.size, list) else int(self.size.max())
@@ -209,6 +219,38 @@ def plan(
             n = _np.add.reduceat(n, idx)
             d, s = d[idx], s[idx]
     return Plan(d, s, n)
+
+
+def _word_of(acc: int) -> int:
+    for w in (8, 4, 2):
+        if acc % w == 0:
+            return w
+    return 1
+
+
+def check_and_plan(op: str, lbase: int, lsize: int, rbase: int, rsize: int, rows: Any) -> Plan | None:
+    """The plan of a batch given as one int array ``rows`` = [local offsets, remote offsets,
+    sizes] (numpy), checked against both regions in a few vectorised steps: ``None`` if a block
+    lies outside either region (:func:`out_of_range` then says which). Same result as
+    :func:`plan`; blocks with nothing to merge and no zero size (the common case) take a short cut."""
+    size = rows[2]
+    ends = rows[:2] + size
+    emax = ends.max(axis=1)
+    if int(rows.min()) < 0 or int(emax[0]) > lsize or int(emax[1]) > rsize:
+        return None
+    # a block merges only if it continues the previous one on both sides; checking one side first
+    # is enough when nothing continues there (strided batches)
+    if size.all() and (
+        not (ends[0, :-1] == rows[0, 1:]).any() or not (ends[:, :-1] == rows[:2, 1:]).all(axis=0).any()
+    ):
+        laddr, raddr = rows[0] + lbase, rows[1] + rbase
+        p = Plan(raddr, laddr, size) if op == "write" else Plan(laddr, raddr, size)
+        p._largest = int(size.max())
+        p._word = _word_of(int(_np.bitwise_or.reduce(rows, axis=None)) | lbase | rbase)
+        return p
+    if op == "write":
+        return plan(rbase, rows[1], lbase, rows[0], size)
+    return plan(lbase, rows[0], rbase, rows[1], size)
 
 
 def out_of_range(offsets: Sequence[int], sizes: Sequence[int], limit: int) -> str:
@@ -285,19 +327,29 @@ class _Pointer:
 
 
 class _Table:
-    """A descriptor table of ``entries`` blocks in pinned host memory mapped into the GPU."""
+    """A descriptor table of ``entries`` blocks in pinned host memory mapped into the GPU, and the
+    event recorded after the kernel that last read it (the table is reused only once that event
+    has completed, see :meth:`XgmiBackend._table`)."""
+
+    __slots__ = ("device", "entries", "event", "host", "view", "words")
 
     def __init__(self, drv: Any, entries: int) -> None:
         self.entries = entries
         self.host = drv.host_alloc(3 * 8 * entries)
-        self.device = drv.host_device_pointer(self.host)
+        try:
+            self.device = drv.host_device_pointer(self.host)
+            self.event = drv.event_create()
+        except BaseException:
+            drv.host_free(self.host)
+            raise
         self.words = (ctypes.c_int64 * (3 * entries)).from_address(self.host)
+        self.view = _np.ctypeslib.as_array(self.words) if _np is not None else None
 
     def fill(self, p: Plan, word: int) -> None:
         """Row 0 destinations, row 1 sources, row 2 sizes in words; rows are ``len(p)`` long."""
         n = len(p)
         if not isinstance(p.size, list):  # numpy arrays
-            view = _np.ctypeslib.as_array(self.words)[: 3 * n]
+            view = self.view
             view[0:n] = p.dst
             view[n : 2 * n] = p.src
             view[2 * n : 3 * n] = p.size // word
@@ -307,15 +359,121 @@ class _Table:
         w[n : 2 * n] = list(p.src)
         w[2 * n : 3 * n] = [x // word for x in p.size]
 
+    def close(self, drv: Any) -> None:
+        drv.event_destroy(self.event)
+        drv.host_free(self.host)
 
-@dataclass(eq=False)
+
+#: who completes a pending transfer (see XgmiBackend._wait and _complete_loop)
+_WAITER = 1
+_THREAD = 2
+
+
 class _Pending:
-    status: TransferStatus
-    events: list[int]
-    table: _Table | None
-    local_id: int
-    remote_key: str
-    what: str
+    """One posted transfer until it completes. ``events``: recorded after its copies (one per
+    stream used); ``table``: the descriptor table its kernel reads (its event is among
+    ``events``); ``owner``: who waits for the events and completes it (set once, under the
+    backend's ``_lock``); ``done``: completed and its events returned (under the device lock)."""
+
+    __slots__ = (
+        "done",
+        "events",
+        "local_id",
+        "nblocks",
+        "op",
+        "owner",
+        "remote_key",
+        "status",
+        "table",
+        "uid",
+    )
+
+    def __init__(self, status: Any, op: str, uid: int, nblocks: int, local_id: int, remote_key: str) -> None:
+        self.status = status
+        self.op = op
+        self.uid = uid
+        self.nblocks = nblocks
+        self.local_id = local_id
+        self.remote_key = remote_key
+        self.events: list[int] = []
+        self.table: _Table | None = None
+        self.owner = 0
+        self.done = False
+
+    def what(self) -> str:
+        return f"XGMI {self.op} uid {self.uid} ({self.nblocks} blocks) with engine {self.remote_key!r}"
+
+
+_STATUS_CLASS: Any = None
+
+
+def status_class() -> Any:
+    """:class:`XgmiTransferStatus`, made on first use (this module imports without the native engine)."""
+    global _STATUS_CLASS
+    if _STATUS_CLASS is not None:
+        return _STATUS_CLASS
+    from mori.io import TransferStatus
+
+    base_wait, base_wait_for = TransferStatus.Wait, TransferStatus.WaitFor
+
+    class XgmiTransferStatus(TransferStatus):  # type: ignore[misc]
+        """A :class:`~mori.io.TransferStatus` of the XGMI backend. ``Wait()`` and ``WaitFor()`` wait
+        for the transfer's GPU events in the calling thread and complete the status there (no
+        hand-off through the completion thread, which still completes statuses nobody waits on)."""
+
+        __slots__ = ("_xgmi",)
+
+        def Wait(self) -> None:
+            p = self._xgmi
+            if p is not None and p[0]._wait(p[1], -1) < 0:
+                return  # completed here (the native wait would only hand the GIL around)
+            base_wait(self)
+
+        def WaitFor(self, timeout_ms: int) -> bool:
+            p = self._xgmi
+            if p is not None and type(timeout_ms) is int:
+                timeout_ms = p[0]._wait(p[1], timeout_ms)
+                if timeout_ms < 0:
+                    return True
+            return bool(base_wait_for(self, timeout_ms))
+
+    XgmiTransferStatus.__module__ = __name__
+    _STATUS_CLASS = XgmiTransferStatus
+    return _STATUS_CLASS
+
+
+def _no_hooks(hook: Any) -> bool:
+    # Triton < 3.5: None when unset; 3.5+: a HookChain whose ``calls`` is empty
+    return hook is None or not getattr(hook, "calls", True)
+
+
+class _FastLaunch:
+    """Launches of one compiled variant of the scatter-gather kernel without Triton's Python
+    binder (argument binding, specialization key, cache lookup: tens of microseconds a launch):
+    the compiled kernel's own launcher is called the way ``JITFunction.run`` calls it, with launch
+    hooks (profilers) honoured. ``args`` after the grid: every kernel argument in signature
+    order, constexprs included (the launcher ignores them)."""
+
+    __slots__ = ("kernel", "knobs")
+
+    def __init__(self, kernel: Any) -> None:
+        from triton import knobs
+
+        self.kernel = kernel
+        self.knobs = knobs.runtime
+
+    @staticmethod
+    def usable(kernel: Any) -> bool:
+        return all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata"))
+
+    def __call__(self, grid0: int, grid1: int, stream: int, *args: Any) -> None:
+        k = self.kernel
+        enter, leave = self.knobs.launch_enter_hook, self.knobs.launch_exit_hook
+        if _no_hooks(enter) and _no_hooks(leave):
+            k.run(grid0, grid1, 1, stream, k.function, k.packed_metadata, None, None, None, *args)
+        else:
+            meta = k.launch_metadata((grid0, grid1, 1), stream, *args)
+            k.run(grid0, grid1, 1, stream, k.function, k.packed_metadata, meta, enter, leave, *args)
 
 
 class XgmiBackend:
@@ -339,6 +497,9 @@ class XgmiBackend:
         self.num_streams = num_streams
         self.num_events = num_events
         self.threshold = MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD.get() or 0
+        #: a copy of at least 2 x this many bytes is cut into pieces of at least this size on
+        #: several streams (copy engines), at most num_streams pieces; 0: never
+        self.stripe_bytes = MORI_IO_XGMI_STRIPE_BYTES.get() or 0
         self._lock = threading.Lock()
         self._remote_nodes: dict[str, str] = {}
         #: (engine key, region id) -> (handle bytes, opened segment, whether the kernel reaches it)
@@ -351,10 +512,15 @@ class XgmiBackend:
         self._dev: Any = None  # the runtime's device state, bound on first use
         self._streams: list[int] = []
         self._torch_streams: dict[int, Any] = {}
-        self._next_stream = itertools.count()
+        self._next_stream = 0
         self._order_event = 0
         self._free_events: list[int] = []
-        self._free_tables: list[_Table] = []
+        #: descriptor tables, reused in order once their event completed (see _table)
+        self._tables: list[_Table] = []
+        #: word width -> launcher of the compiled scatter-gather kernel (see _launch_kernel)
+        self._launchers: dict[int, _FastLaunch] = {}
+        self._current_stream = runtime._torch_current_stream
+        self._status_class = status_class()
         self._pending: set[_Pending] = set()
         self._idle = threading.Condition(self._lock)
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
@@ -383,11 +549,22 @@ class XgmiBackend:
                 self._thread.start()
             return self._dev
 
-    def _current_stream(self, index: int) -> int:
-        return int(self.runtime._torch_current_stream(index))
-
     def _launch_kernel(self, stream: int, table: _Table, n: int, split: int, word: int) -> None:
-        """Queue the scatter-gather kernel on ``stream`` (a driver stream handle)."""
+        """Queue the scatter-gather kernel on ``stream`` (a driver stream handle): the first launch
+        of a word width through Triton (which compiles or loads the kernel), later ones straight
+        through the compiled kernel's launcher (:class:`_FastLaunch`)."""
+        from mori.io.xgmi_kernels import DEFAULT_BLOCK
+
+        fast = self._launchers.get(word)
+        if fast is not None:
+            fast(n, split, stream, table.device, n, split, word, DEFAULT_BLOCK)
+            return
+        kernel = self._launch_jit(stream, table, n, split, word)
+        if _FastLaunch.usable(kernel):
+            self._launchers[word] = _FastLaunch(kernel)
+
+    def _launch_jit(self, stream: int, table: _Table, n: int, split: int, word: int) -> Any:
+        """Launch through ``JITFunction.run`` on ``stream``; returns the compiled kernel."""
         import torch
 
         from mori.io import xgmi_kernels
@@ -398,7 +575,7 @@ class XgmiBackend:
             ts = torch.cuda.ExternalStream(stream, device=torch.device("cuda", dev.index))  # type: ignore[no-untyped-call]
             self._torch_streams[stream] = ts
         with torch.cuda.stream(ts):
-            xgmi_kernels.scatter_gather_kernel[(n, split)](
+            return xgmi_kernels.scatter_gather_kernel[(n, split)](
                 _Pointer(table.device, torch.int64),
                 n,
                 split,
@@ -486,10 +663,10 @@ class XgmiBackend:
                     st.drv.event_destroy(ev)
                 for s in self._streams:
                     st.drv.stream_destroy(s)
-                for t in self._free_tables:
-                    st.drv.host_free(t.host)
+                for t in self._tables:
+                    t.close(st.drv)
             self._free_events.clear()
-            self._free_tables.clear()
+            self._tables.clear()
             self._streams = []
 
     # -- transfers -------------------------------------------------------------------------------------
@@ -526,46 +703,128 @@ class XgmiBackend:
         sizes: Sequence[int],
         uid: int,
     ) -> TransferStatus:
-        from mori.io import TransferStatus
-
         if self._closed:
             raise MoriBackendError("XGMI: the backend was removed")
-        status = TransferStatus()
-        what = f"XGMI {op} uid {uid} ({len(sizes)} blocks) with engine {remote.engine_key!r}"
+        n = len(sizes)
+        single = n == 1 and len(local_offsets) == 1 and len(remote_offsets) == 1
         lo: Any = local_offsets
         ro: Any = remote_offsets
         ns: Any = sizes
-        if _np is not None and len(sizes) >= NUMPY_MIN_BLOCKS:  # convert once for the checks and the plan
-            lo, ro, ns = _np.asarray(lo), _np.asarray(ro), _np.asarray(ns)
-        # the target takes no part in a GPU copy: these checks are the only ones (the engine may skip its own)
-        for side, offsets, desc in (("local", lo, local), ("remote", ro, remote)):
-            why = out_of_range(offsets, ns, desc.size)
-            if why:
-                status._complete(_ERR_INVALID_ARGS, f"{what}: {side} {why}")
-                return status
-        st = self._device()
-        rbase, remote_reach = self._remote_base(remote)
-        kernel_ok = remote_reach and self._kernel_local.get(local.id, False)
-        lbase = local.data
-        if op == "write":
-            copies = plan(rbase, ro, lbase, lo, ns)
+        copies: Plan | None = None
+        if single:  # one block: checked here, without building lists (the common case)
+            lo0, ro0, size = lo[0], ro[0], ns[0]
+            if type(lo0) is not int or type(ro0) is not int or type(size) is not int:
+                raise TypeError("offsets and sizes must be ints")
+            bad = size < 0 or lo0 < 0 or lo0 + size > local.size or ro0 < 0 or ro0 + size > remote.size
+        elif _np is not None and n >= NUMPY_MIN_BLOCKS and len(lo) == n == len(ro):
+            # one conversion for the checks and the plan
+            rows = _np.array((lo, ro, ns))
+            if rows.dtype.kind not in "iu" or rows.ndim != 2:
+                raise TypeError("offsets and sizes must be ints")
+            lo, ro, ns = rows
+            rbase, remote_reach = self._remote_base(remote)
+            copies = check_and_plan(op, local.data, local.size, rbase, remote.size, rows)
+            bad = copies is None
         else:
-            copies = plan(lbase, lo, rbase, ro, ns)
+            bad = True
+        if bad:  # the target takes no part in a GPU copy: these checks are the only ones
+            for side, offsets, desc in (("local", lo, local), ("remote", ro, remote)):
+                why = out_of_range(offsets, ns, desc.size)
+                if why:
+                    return self._failed(
+                        _ERR_INVALID_ARGS,
+                        f"XGMI {op} uid {uid} ({n} blocks) with engine {remote.engine_key!r}: {side} {why}",
+                    )
+        st = self._dev if self._dev is not None else self._device()
+        if copies is None:
+            rbase, remote_reach = self._remote_base(remote)
+        status = self._status_class()
+        p = _Pending(status, op, uid, n, local.id, remote.engine_key)
         try:
-            events, table = self._enqueue(st, copies, kernel_ok)
+            if single:
+                if op == "write":
+                    self._enqueue_one(st, p, rbase + ro0, local.data + lo0, size)
+                else:
+                    self._enqueue_one(st, p, local.data + lo0, rbase + ro0, size)
+            else:
+                kernel_ok = remote_reach and self._kernel_local.get(local.id, False)
+                if copies is None:
+                    if op == "write":
+                        copies = plan(rbase, ro, local.data, lo, ns)
+                    else:
+                        copies = plan(local.data, lo, rbase, ro, ns)
+                self._enqueue(st, p, copies, kernel_ok)
         except Exception as e:  # a driver call failed: the transfer fails, the backend stays
-            status._complete(_ERR_GPU_OP, f"{what}: {e}")
-            return status
+            status._xgmi = None
+            status._complete(_ERR_GPU_OP, f"{p.what()}: {e}")
+            return status  # type: ignore[no-any-return]
         status._set_in_progress()
-        pending = _Pending(status, events, table, local.id, remote.engine_key, what)
+        status._xgmi = (self, p)
         with self._lock:
-            self._pending.add(pending)
-            self.counters["transfers"] += 1
-        self._queue.put(pending)
-        return status
+            self._pending.add(p)
+        self.counters["transfers"] += 1
+        self._queue.put(p)  # last: the completion thread may take the GIL from here on
+        return status  # type: ignore[no-any-return]
 
-    def _enqueue(self, st: Any, copies: Plan, kernel_ok: bool = True) -> tuple[list[int], _Table | None]:
-        """Queue ``copies``; return the events recorded after them and the table used.
+    @staticmethod
+    def _failed(code: int, message: str) -> TransferStatus:
+        from mori.io import TransferStatus
+
+        st = TransferStatus()
+        st._complete(code, message)
+        return st
+
+    def _stream(self) -> int:
+        # with the device lock held
+        i = self._next_stream
+        self._next_stream = i + 1
+        return self._streams[i % len(self._streams)]
+
+    def _event(self, drv: Any) -> int:
+        # with the device lock held
+        return self._free_events.pop() if self._free_events else int(drv.event_create())
+
+    def _pieces(self, dst: int, src: int, size: int) -> list[tuple[int, int, int]]:
+        """One copy cut into pieces for several streams (``stripe_bytes``), or itself."""
+        stripe = self.stripe_bytes
+        if not stripe or size < 2 * stripe:
+            return [(dst, src, size)]
+        k = min(self.num_streams, size // stripe)
+        piece = -(-size // k)
+        piece = -(-piece // 4096) * 4096  # page-sized pieces
+        return [(dst + o, src + o, min(piece, size - o)) for o in range(0, size, piece)]
+
+    def _enqueue_one(self, st: Any, p: _Pending, dst: int, src: int, size: int) -> None:
+        """Queue one block: after torch's current stream, one async copy and one event record (or
+        a piece per stream when striped)."""
+        drv = st.drv
+        with st.lock:
+            prev = drv.current_context()
+            if prev != st.ctx:
+                drv.set_current_context(st.ctx)
+            try:
+                drv.event_record(self._order_event, self._current_stream(st.index))
+                pieces = self._pieces(dst, src, size) if size else [(dst, src, 0)]
+                events = p.events
+                for d, s, n in pieces:
+                    stream = self._stream()
+                    drv.stream_wait_event(stream, self._order_event)
+                    if n:
+                        drv.memcpy_async(d, s, n, stream)
+                    ev = self._event(drv)
+                    events.append(ev)
+                    drv.event_record(ev, stream)
+                self.counters["copies"] += 1 if size else 0
+            except BaseException:
+                self._free_events.extend(p.events)
+                p.events = []
+                raise
+            finally:
+                if prev != st.ctx:
+                    drv.restore_context(prev)
+
+    def _enqueue(self, st: Any, p: _Pending, copies: Plan, kernel_ok: bool = True) -> None:
+        """Queue ``copies``; sets ``p.events`` (recorded after them) and ``p.table``.
         ``kernel_ok``: whether the scatter-gather kernel may touch both regions."""
         drv = st.drv
         use_kernel = kernel_ok and self.threshold > 0 and len(copies) >= self.threshold
@@ -576,75 +835,177 @@ class XgmiBackend:
             small, large = Plan([], [], []), copies
         used: list[int] = []
         table = None
-        with st.lock, st.active():
-            drv.event_record(self._order_event, self._current_stream(st.index))
+        kernel_stream = 0
+        with st.lock:
+            prev = drv.current_context()
+            if prev != st.ctx:
+                drv.set_current_context(st.ctx)
+            try:
+                drv.event_record(self._order_event, self._current_stream(st.index))
 
-            def stream() -> int:
-                s = self._streams[next(self._next_stream) % len(self._streams)]
-                if s not in used:
-                    drv.stream_wait_event(s, self._order_event)
-                    used.append(s)
-                return s
+                def stream() -> int:
+                    s = self._stream()
+                    if s not in used:
+                        drv.stream_wait_event(s, self._order_event)
+                        used.append(s)
+                    return s
 
-            if use_kernel:
-                word = small.word()
-                table = self._table(drv, len(small))
-                table.fill(small, word)
-                split = max(1, min(SG_MAX_SPLIT, small.largest() // SG_BYTES_PER_PROGRAM))
-                self._launch_kernel(stream(), table, len(small), split, word)
-                self.counters["kernel_launches"] += 1
-                self.counters["kernel_blocks"] += len(small)
-            for d, s, n in zip(large.dst, large.src, large.size, strict=True):
-                drv.memcpy_async(int(d), int(s), int(n), stream())
-            self.counters["copies"] += len(large)
-            if not used:  # nothing to copy (all sizes 0): still complete after the current stream
-                stream()
-            events = []
-            for s in used:
-                ev = self._free_events.pop() if self._free_events else drv.event_create()
-                drv.event_record(ev, s)
-                events.append(ev)
-        return events, table
+                if use_kernel:
+                    word = small.word()
+                    table = self._table(drv, len(small))
+                    table.fill(small, word)
+                    split = max(1, min(SG_MAX_SPLIT, small.largest() // SG_BYTES_PER_PROGRAM))
+                    kernel_stream = stream()
+                    self._launch_kernel(kernel_stream, table, len(small), split, word)
+                    p.table = table
+                    self.counters["kernel_launches"] += 1
+                    self.counters["kernel_blocks"] += len(small)
+                for d, s, n in zip(large.dst, large.src, large.size, strict=True):
+                    for d1, s1, n1 in self._pieces(int(d), int(s), int(n)):
+                        drv.memcpy_async(d1, s1, n1, stream())
+                self.counters["copies"] += len(large)
+                if not used:  # nothing to copy (all sizes 0): still complete after the current stream
+                    stream()
+                for s in used:
+                    ev = table.event if table is not None and s == kernel_stream else self._event(drv)
+                    p.events.append(ev)
+                    drv.event_record(ev, s)
+            except BaseException:
+                if table is not None and table.event not in p.events:
+                    # the kernel may read the table: it is not reused before the stream got there
+                    with contextlib.suppress(Exception):
+                        drv.stream_synchronize(kernel_stream)
+                self._free_events.extend(ev for ev in p.events if table is None or ev != table.event)
+                p.events = []
+                raise
+            finally:
+                if prev != st.ctx:
+                    drv.restore_context(prev)
 
     def _table(self, drv: Any, n: int) -> _Table:
-        # with the device lock held
-        for i, t in enumerate(self._free_tables):
-            if t.entries >= n:
-                return self._free_tables.pop(i)
-        return _Table(drv, max(n, TABLE_ENTRIES))
+        """A descriptor table of at least ``n`` entries that no kernel reads any more: the first of
+        the ring whose event (recorded after the kernel that last used it) has completed, else a
+        new one added to the ring. With the device lock held."""
+        for t in self._tables:
+            if t.entries >= n and drv.event_query(t.event):
+                return t
+        t = _Table(drv, max(n, TABLE_ENTRIES))
+        self._tables.append(t)
+        return t
+
+    # -- completion ----------------------------------------------------------------------------------------
+
+    def _claim(self, p: _Pending, who: int) -> bool:
+        """Make ``who`` the one that waits for ``p``'s events and completes it; False if another is."""
+        with self._lock:
+            if p.owner:
+                return False
+            p.owner = who
+            return True
+
+    def _sync(self, st: Any, p: _Pending) -> tuple[int, str]:
+        """Wait for ``p``'s events (GIL released in each driver call): (code, message)."""
+        drv = st.drv
+        try:
+            prev = drv.current_context()
+            if prev != st.ctx:
+                drv.set_current_context(st.ctx)
+            try:
+                for ev in p.events:
+                    drv.event_synchronize(ev)
+            finally:
+                if prev != st.ctx:
+                    drv.restore_context(prev)
+        except Exception as e:
+            return _ERR_GPU_OP, f"{p.what()}: {e}"
+        return _SUCCESS, ""
+
+    def _finish(self, p: _Pending, code: int, message: str) -> None:
+        """Complete ``p`` (by its owner, after its events): events back to the pool, status done."""
+        st = self._dev
+        with st.lock:
+            p.done = True
+            free = self._free_events
+            table_event = p.table.event if p.table is not None else None
+            extra = []
+            for ev in p.events:
+                if ev == table_event:
+                    continue
+                if len(free) < self.num_events:
+                    free.append(ev)
+                else:
+                    extra.append(ev)
+            if extra:
+                with contextlib.suppress(Exception), st.active():
+                    for ev in extra:
+                        st.drv.event_destroy(ev)
+        status, p.status = p.status, None
+        if status is not None:
+            status._xgmi = None
+            status._complete(code, message)
+        with self._lock:
+            self._pending.discard(p)
+            self._idle.notify_all()
+
+    def _wait(self, p: _Pending, timeout_ms: int) -> int:
+        """``Wait()``/``WaitFor(timeout_ms)`` of ``p``'s status in the calling thread: waits for
+        the events and completes the status here, unless the completion thread already does.
+        Returns -1 if this call completed the status, else the milliseconds left for the
+        status's own (native) wait: ``timeout_ms`` when another completes it, 0 on timeout."""
+        st = self._dev
+        if timeout_ms < 0:
+            if self._claim(p, _WAITER):
+                self._finish(p, *self._sync(st, p))
+                return -1
+            return timeout_ms
+        # bounded: poll the events (no blocking driver call that could outlast the timeout)
+        drv = st.drv
+        clock = time.monotonic
+        start = clock()
+        deadline = start + timeout_ms / 1000
+        pause = 0.0
+        prev = drv.current_context()
+        if prev != st.ctx:
+            drv.set_current_context(st.ctx)
+        try:
+            while True:
+                with st.lock:
+                    if p.done:  # completed by another (its events may be reused by now)
+                        return max(0, int((deadline - clock()) * 1000))
+                    try:
+                        ready = all(drv.event_query(ev) for ev in p.events)
+                        code, message = _SUCCESS, ""
+                    except Exception as e:
+                        ready, code, message = True, _ERR_GPU_OP, f"{p.what()}: {e}"
+                if ready:
+                    if self._claim(p, _WAITER):
+                        self._finish(p, code, message)
+                        return -1
+                    return max(0, int((deadline - clock()) * 1000))
+                now = clock()
+                if now >= deadline:
+                    return 0
+                if now - start >= WAIT_SPIN_S:  # sleep (GIL released), backing off
+                    pause = min(max(2 * pause, 20e-6), WAIT_MAX_SLEEP_S, deadline - now)
+                    time.sleep(pause)
+        finally:
+            if prev != st.ctx:
+                drv.restore_context(prev)
 
     def _complete_loop(self) -> None:
-        """The completion thread: waits for each transfer's events, in posting order."""
+        """The completion thread: waits for the events of each transfer nobody waits on, in
+        posting order, and completes its status."""
         st0 = self._dev
         try:  # keep the GPU current on this thread: each wait then costs no context switch
             st0.drv.set_current_context(st0.ctx)
-        except Exception as e:  # not fatal: active() makes it current per wait instead
+        except Exception as e:  # not fatal: _sync makes it current per wait instead
             _log.debug("XGMI: completion thread could not keep the GPU current: %s", e)
         while True:
             p = self._queue.get()
             if p is None:
                 return
-            st = self._dev
-            code, message = _SUCCESS, ""
-            try:
-                with st.active():
-                    for ev in p.events:
-                        st.drv.event_synchronize(ev)
-            except Exception as e:
-                code, message = _ERR_GPU_OP, f"{p.what}: {e}"
-            with st.lock:
-                for ev in p.events:
-                    if len(self._free_events) < self.num_events:
-                        self._free_events.append(ev)
-                    else:
-                        with st.active():
-                            st.drv.event_destroy(ev)
-                if p.table is not None:
-                    self._free_tables.append(p.table)
-            p.status._complete(code, message)
-            with self._lock:
-                self._pending.discard(p)
-                self._idle.notify_all()
+            if self._claim(p, _THREAD):
+                self._finish(p, *self._sync(self._dev, p))
 
     def _drain(self, match: Any, what: str) -> None:
         """Block until no pending transfer matches (at most MORI_IO_CP_TIMEOUT_MS)."""

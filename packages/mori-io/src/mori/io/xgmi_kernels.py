@@ -62,8 +62,10 @@ def _as_word_pointer(addr, WORD_BYTES: tl.constexpr):
     return ptr
 
 
+# n_blocks and split are not specialized (Triton would compile other variants for 1 and multiples
+# of 16): one compiled kernel per word width, which the backend then launches directly
 @aot_variants(_variants())
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks", "split"])
 def scatter_gather_kernel(
     # pointer: the descriptor table, int64 [3, n_blocks] (dst addresses, src addresses, sizes in words)
     desc_ptr,

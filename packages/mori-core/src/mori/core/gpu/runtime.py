@@ -379,6 +379,10 @@ class GpuRuntime(DeviceRuntime):
     def _torch_current_stream(self, index: int) -> int:
         import torch
 
+        # the raw handle without a torch.cuda.Stream object (what Triton's launcher uses; ~10x faster)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return int(raw(index))
         return int(torch.cuda.current_stream(index).cuda_stream)
 
     def _bind(self) -> _DeviceState:
