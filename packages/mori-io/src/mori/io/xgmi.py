@@ -18,15 +18,26 @@ by earlier kernels is what moves. Then:
 * a batch with at least ``MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD`` blocks of at most
   :data:`SG_MAX_BLOCK` bytes goes through one launch of the Triton scatter-gather kernel
   (:mod:`mori.io.xgmi_kernels`), whose descriptor table sits in pinned host memory the GPU reads
-  directly;
+  directly. Tables form a ring, each with its own event recorded after the kernel that reads it:
+  a table is reused once that event completed. The first launch of a word width goes through
+  Triton; later ones call the compiled kernel's launcher directly (:class:`_FastLaunch`);
 * every other block is one asynchronous copy (copy engines / DMA), spread round-robin over the
-  backend's ``XgmiBackendConfig.num_streams`` streams.
+  backend's ``XgmiBackendConfig.num_streams`` streams; a block of at least twice
+  ``MORI_IO_XGMI_STRIPE_BYTES`` (default 0: never) is cut into pieces on several streams.
 
-Completion. An event is recorded on every stream a transfer used; a completion thread waits for
-them and completes the :class:`~mori.io.TransferStatus` (``SUCCESS``, or ``ERR_GPU_OP`` with the
-driver's message), so statuses progress without anyone calling ``Wait()``. XGMI has no
-notifications: the target's ``pop_inbound_transfer_status`` stays empty. At most
-``XgmiBackendConfig.num_events`` idle events are kept for reuse.
+One block is checked and queued without building any list (record on the current stream, wait on
+a copy stream, copy, record); a batch is checked and planned with numpy in one conversion
+(:func:`check_and_plan`).
+
+Completion. An event is recorded on every stream a transfer used. Statuses are
+:class:`XgmiTransferStatus` (see :func:`status_class`): ``Wait()``/``WaitFor()`` wait for the
+events in the calling thread and complete the status there (no thread hand-off). A completion
+thread completes the statuses nobody waits on, in posting order, so statuses progress without
+anyone calling ``Wait()``. Exactly one party (the waiter or the thread, the first to claim it)
+waits on a transfer's events and completes it (``SUCCESS``, or ``ERR_GPU_OP`` with the driver's
+message): its events go back to the pool only then, so no event is reused while another thread
+still waits on it. XGMI has no notifications: the target's ``pop_inbound_transfer_status`` stays
+empty. At most ``XgmiBackendConfig.num_events`` idle events are kept for reuse.
 
 Safety. The target takes no part in a one-sided GPU copy, so the checks are the initiator's: the
 engine checks offsets against both descriptors, and this backend refuses a remote descriptor whose
@@ -885,7 +896,9 @@ class XgmiBackend:
     def _table(self, drv: Any, n: int) -> _Table:
         """A descriptor table of at least ``n`` entries that no kernel reads any more: the first of
         the ring whose event (recorded after the kernel that last used it) has completed, else a
-        new one added to the ring. With the device lock held."""
+        new one added to the ring. With the device lock held. (The transfer that last used it may
+        not be completed yet; its owner may then wait on the table's event after it was recorded
+        again, which only makes that wait longer, never wrong.)"""
         for t in self._tables:
             if t.entries >= n and drv.event_query(t.event):
                 return t
