@@ -7,7 +7,9 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -16,8 +18,14 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <functional>
 #include <random>
 #include <stdexcept>
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
 
 namespace mori::io {
 
@@ -257,6 +265,24 @@ SchedAttr set_slice(uint64_t runtime_ns) {
 
 void request_short_slice() { set_slice(100 * 1000); }  // 0.1 ms, the shortest the kernel accepts
 
+int pidfd_open(pid_t pid) { return int(::syscall(SYS_pidfd_open, pid, 0)); }
+
+// A pidfd becomes readable when its process has exited.
+bool process_gone(int pidfd) {
+  if (pidfd < 0) return false;
+  pollfd p{pidfd, POLLIN, 0};
+  return ::poll(&p, 1, 0) > 0;
+}
+
+uint64_t random_u64() {
+  std::random_device rd;
+  uint64_t v = 0;
+  while (v == 0) v = (uint64_t(rd()) << 32) ^ uint64_t(rd());
+  return v;
+}
+
+bool refused_errno(int e) { return e == EPERM || e == EACCES || e == ENOSYS; }
+
 // Device blocks -> one host buffer (to_host), or one host buffer -> device blocks (from_host).
 int stage_out(const DeviceCopier& c, const std::vector<iovec>& dev, int device, std::vector<uint8_t>* buf) {
   uint64_t total = 0;
@@ -372,6 +398,92 @@ struct Transfer {
 };
 
 // ---------------------------------------------------------------------------------------------
+// Direct: the initiator's view of a same-host peer's registration table (table.hpp): the header
+// and entries mapped read-only, its own slot read-write, the peer's process.
+
+struct Direct {
+  pid_t pid = 0;
+  int pidfd = -1;
+  uint64_t token = 0;
+  const uint8_t* table = nullptr;  // header + entries, PROT_READ
+  uint8_t* slot_map = nullptr;     // the slot granted to this engine, PROT_READ | PROT_WRITE
+  TableSlot* slot = nullptr;
+  std::weak_ptr<Conn> conn0;  // carries the doorbell
+  std::atomic<bool> ok{true};
+  std::mutex ring_mu;
+  uint64_t rung_at = 0;  // ring head when the doorbell last rang
+
+  ~Direct() {
+    if (table) ::munmap(const_cast<uint8_t*>(table), kSlotsOff);
+    if (slot_map) ::munmap(slot_map, kSlotBytes);
+    if (pidfd >= 0) ::close(pidfd);
+  }
+  const TableHeader* header() const { return reinterpret_cast<const TableHeader*>(table); }
+  const TableEntry* entry(uint64_t id) const {
+    return reinterpret_cast<const TableEntry*>(table + kEntriesOff) + id % kTableEntries;
+  }
+  // Still the process that granted the slot (a pid is reused only after its process is gone).
+  bool alive() const { return !process_gone(pidfd); }
+};
+
+// A few threads that copy pieces of one large direct transfer while the posting thread copies
+// the first piece. After a piece a worker spins briefly before sleeping: stop-and-wait transfers
+// come back to back, and a futex wake-up costs more than the spin.
+class CopyPool {
+ public:
+  explicit CopyPool(int workers) {
+    for (int i = 0; i < workers; ++i)
+      threads_.emplace_back([this] {
+        request_short_slice();
+        loop();
+      });
+  }
+  ~CopyPool() {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  int workers() const { return int(threads_.size()); }
+  void run(std::function<void()> f) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      q_.push_back(std::move(f));
+      queued_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(100);
+      while (queued_.load(std::memory_order_acquire) == 0 && !stop_.load() &&
+             std::chrono::steady_clock::now() < spin_until)
+        std::this_thread::yield();
+      std::function<void()> f;
+      {
+        std::unique_lock<std::mutex> g(mu_);
+        cv_.wait(g, [this] { return stop_.load() || !q_.empty(); });
+        if (q_.empty()) return;  // stopping
+        f = std::move(q_.front());
+        q_.pop_front();
+        queued_.fetch_sub(1, std::memory_order_relaxed);
+      }
+      f();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> q_;
+  std::atomic<int> queued_{0};
+  std::atomic<bool> stop_{false};
+  std::vector<std::thread> threads_;
+};
+
+// ---------------------------------------------------------------------------------------------
 // Conn: one outbound connection to a peer.
 
 class Conn : public std::enable_shared_from_this<Conn> {
@@ -434,6 +546,20 @@ class Conn : public std::enable_shared_from_this<Conn> {
     qcv_.notify_one();
   }
 
+  // A one-way kNotify (the direct path's doorbell, with records that found the ring full): queued
+  // for the sender thread, never sent from the caller, never answered.
+  void oneway(std::vector<uint8_t> body) {
+    auto p = std::make_shared<Part>();
+    p->op = kNotify;
+    p->body = std::move(body);
+    {
+      std::lock_guard<std::mutex> g(qmu_);
+      if (broken_ || stop_) return;
+      q_.emplace_back(0, p);
+    }
+    qcv_.notify_one();
+  }
+
   void fail(std::string why) {
     const std::string timed_out = kTimedOut;
     if (why.size() >= timed_out.size() && why.compare(why.size() - timed_out.size(), timed_out.size(), timed_out) == 0)
@@ -467,6 +593,13 @@ class Conn : public std::enable_shared_from_this<Conn> {
  private:
   // Returns false only with nonblocking_start when nothing could be sent without waiting.
   bool send_part(uint64_t id, const Part& p, bool nonblocking_start = false) {
+    if (p.op == kNotify) {
+      Header n = make_header(kNotify);
+      n.body_len = uint32_t(p.body.size());
+      std::string err = send_msg(fd_, n, p.body.data(), nullptr, &last_progress_);
+      if (!err.empty()) fail("send failed: " + err);
+      return true;
+    }
     Header h = make_header(p.op);
     h.flags = p.flags;
     h.req_id = id;
@@ -676,14 +809,183 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
   ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len);
   port_ = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
                                          : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  slots_.resize(kTableSlots);
+  create_table();
   acceptor_ = std::thread([this] { accept_loop(); });
 }
 
-Engine::~Engine() { shutdown(); }
+Engine::~Engine() {
+  shutdown();
+  pool_.reset();
+  for (auto& si : slots_)
+    if (si.pidfd >= 0) ::close(si.pidfd);
+  if (table_) ::munmap(table_, kTableBytes);
+  if (table_fd_ >= 0) ::close(table_fd_);
+}
+
+// The shared registration table (table.hpp). Without it (no memfd, no memory) the direct path is
+// simply never granted.
+void Engine::create_table() {
+  int fd = int(::syscall(SYS_memfd_create, "mori-io-table", 1u /* MFD_CLOEXEC */));
+  if (fd < 0) {
+    MORI_IO_LOG(20, "engine '%s': no shared registration table: memfd_create: %s", cfg_.key.c_str(),
+                errno_text(errno).c_str());
+    return;
+  }
+  if (::ftruncate(fd, off_t(kTableBytes)) != 0) {
+    MORI_IO_LOG(20, "engine '%s': no shared registration table: ftruncate: %s", cfg_.key.c_str(),
+                errno_text(errno).c_str());
+    ::close(fd);
+    return;
+  }
+  void* m = ::mmap(nullptr, kTableBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (m == MAP_FAILED) {
+    MORI_IO_LOG(20, "engine '%s': no shared registration table: mmap: %s", cfg_.key.c_str(),
+                errno_text(errno).c_str());
+    ::close(fd);
+    return;
+  }
+  auto* h = static_cast<TableHeader*>(m);
+  h->magic = kTableMagic;
+  h->version = kTableVersion;
+  h->entries = kTableEntries;
+  h->slots = kTableSlots;
+  h->ring_records = kRingRecords;
+  h->entries_off = kEntriesOff;
+  h->slots_off = kSlotsOff;
+  h->slot_bytes = kSlotBytes;
+  h->total_bytes = kTableBytes;
+  uint64_t n1 = random_u64(), n2 = random_u64();
+  std::memcpy(h->nonce, &n1, 8);
+  std::memcpy(h->nonce + 8, &n2, 8);
+  h->epoch.store(0);
+  table_fd_ = fd;
+  table_ = static_cast<uint8_t*>(m);
+}
+
+TableEntry* Engine::table_entry(uint64_t id) const {
+  return reinterpret_cast<TableEntry*>(table_ + kEntriesOff) + id % kTableEntries;
+}
+
+TableSlot* Engine::table_slot(uint32_t i) const { return reinterpret_cast<TableSlot*>(table_ + kSlotsOff + kSlotBytes * i); }
+
+// Grants a free slot to the initiator engine `key` (process `pid`); -1 if none is free.
+int Engine::grant_slot(const std::string& key, pid_t pid, DirectGrant* g) {
+  if (!table_) return -1;
+  std::lock_guard<std::mutex> lk(slot_mu_);
+  for (uint32_t i = 0; i < kTableSlots; ++i) {
+    SlotInfo& si = slots_[i];
+    if (si.used) continue;
+    TableSlot* s = table_slot(i);
+    // A released slot is reused once its last holder has nothing in flight (or is gone); its
+    // owner token was cleared at release, so that holder cannot start anything new on it.
+    if (si.released && !process_gone(si.pidfd) &&
+        (s->busy[0].load(std::memory_order_seq_cst) != 0 || s->busy[1].load(std::memory_order_seq_cst) != 0))
+      continue;
+    uint64_t token = random_u64();
+    {
+      std::lock_guard<std::mutex> in(in_mu_);
+      if (si.released) drain_slot_locked(i);  // what the last holder left
+      s->head.store(0);
+      s->tail.store(0);
+      s->busy[0].store(0);
+      s->busy[1].store(0);
+      si.key = key;
+    }
+    if (si.pidfd >= 0) ::close(si.pidfd);
+    si.pidfd = pidfd_open(pid);
+    si.used = true;
+    si.released = false;
+    s->owner.store(token, std::memory_order_seq_cst);
+    std::memset(g, 0, sizeof *g);
+    g->pid = uint32_t(::getpid());
+    g->fd = table_fd_;
+    g->table_addr = reinterpret_cast<uint64_t>(table_);
+    g->token = token;
+    g->slot = i;
+    std::memcpy(g->nonce, reinterpret_cast<TableHeader*>(table_)->nonce, 16);
+    return int(i);
+  }
+  return -1;
+}
+
+// The connection that held the slot closed: its holder may not start anything new on it.
+void Engine::release_slot(int slot) {
+  table_slot(uint32_t(slot))->owner.store(0, std::memory_order_seq_cst);
+  {
+    std::lock_guard<std::mutex> in(in_mu_);
+    drain_slot_locked(uint32_t(slot));
+  }
+  std::lock_guard<std::mutex> lk(slot_mu_);
+  slots_[slot].used = false;
+  slots_[slot].released = true;
+}
+
+void Engine::drain_slot_locked(uint32_t i) {
+  const std::string& key = slots_[i].key;
+  if (key.empty()) return;
+  TableSlot* s = table_slot(i);
+  uint64_t t = s->tail.load(std::memory_order_relaxed);
+  uint64_t h = s->head.load(std::memory_order_acquire);
+  if (h - t > kRingRecords) h = t + kRingRecords;  // never read past the ring, whatever the producer wrote
+  for (; t != h; ++t) {
+    NotifyRecord r = s->ring[t % kRingRecords];
+    int code = r.code;
+    if (code != SUCCESS && (code < ERR_INVALID_ARGS || code > ERR_GPU_OP)) code = ERR_BAD_STATE;
+    record_inbound_locked(key, r.uid, std::max<uint32_t>(1, r.total_parts), code,
+                          code == SUCCESS ? "" : "the initiator's direct copy failed (code " + std::to_string(code) + ")");
+  }
+  s->tail.store(t, std::memory_order_release);
+}
+
+void Engine::drain_slots() {
+  if (!table_) return;
+  std::lock_guard<std::mutex> in(in_mu_);
+  for (uint32_t i = 0; i < kTableSlots; ++i) drain_slot_locked(i);
+}
+
+// Flips the epoch and waits until no copy that may have read the table before the flip is still
+// running (table.hpp). False at the deadline (deadline < 0: none).
+bool Engine::wait_copies(int64_t deadline) {
+  if (!table_) return true;
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  std::lock_guard<std::mutex> g(dereg_mu_);
+  auto* hdr = reinterpret_cast<TableHeader*>(table_);
+  const uint64_t old = hdr->epoch.fetch_add(1, std::memory_order_seq_cst) & 1;
+  for (int round = 0;; ++round) {
+    bool idle = true;
+    for (uint32_t i = 0; i < kTableSlots && idle; ++i) {
+      if (table_slot(i)->busy[old].load(std::memory_order_seq_cst) == 0) continue;
+      std::lock_guard<std::mutex> lk(slot_mu_);
+      idle = process_gone(slots_[i].pidfd);  // a holder that died mid-copy copies nothing more
+    }
+    if (idle) return true;
+    if (deadline >= 0 && now_ms() > deadline) return false;
+    if (round < 200)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+// Shutdown: nothing in the table stays reachable.
+void Engine::retire_all() {
+  if (!table_) return;
+  {
+    std::lock_guard<std::mutex> g(reg_mu_);
+    for (auto& kv : regions_) {
+      if (!kv.second->published) continue;
+      table_write_entry(table_entry(kv.first), 0, 0, 0);
+      kv.second->published = false;
+    }
+  }
+  wait_copies(now_ms() + cfg_.cp_timeout_ms);
+}
 
 void Engine::shutdown() {
   if (shut_.exchange(true)) return;
   stop_ = true;
+  retire_all();
   ::shutdown(listen_fd_, SHUT_RDWR);
   if (acceptor_.joinable()) acceptor_.join();
   ::close(listen_fd_);
@@ -696,6 +998,7 @@ void Engine::shutdown() {
   for (auto& p : peers) {
     std::lock_guard<std::mutex> g(p->mu);
     close_conns(p->conns);
+    p->direct.reset();
   }
   std::vector<Server> servers;
   {
@@ -743,22 +1046,40 @@ uint64_t Engine::register_memory(uintptr_t addr, uint64_t size, int loc, int dev
   std::lock_guard<std::mutex> g(reg_mu_);
   r->id = ++next_region_;
   regions_[r->id] = r;
+  // Publish CPU memory for same-host initiators, if its index in the table is free.
+  if (table_ && loc == 1 && !shut_) {
+    TableEntry* e = table_entry(r->id);
+    if (e->id.load(std::memory_order_relaxed) == 0) {
+      table_write_entry(e, r->id, addr, size);
+      r->published = true;
+    }
+  }
   return r->id;
 }
 
 bool Engine::deregister_memory(uint64_t id, int64_t timeout_ms) {
+  const int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
   std::unique_lock<std::mutex> g(reg_mu_);
   auto it = regions_.find(id);
   if (it == regions_.end()) return true;
   RegionPtr r = it->second;
   r->alive = false;
   regions_.erase(it);
-  auto idle = [&r] { return r->inflight == 0; };
-  if (timeout_ms < 0) {
-    reg_cv_.wait(g, idle);
-    return true;
+  const bool published = r->published;
+  if (published) {  // retire the entry, then wait for initiators' copies that may have read it
+    table_write_entry(table_entry(id), 0, 0, 0);
+    r->published = false;
   }
-  return reg_cv_.wait_for(g, std::chrono::milliseconds(timeout_ms), idle);
+  g.unlock();
+  bool copies_done = !published || wait_copies(deadline);
+  g.lock();
+  auto idle = [&r] { return r->inflight == 0; };
+  if (deadline < 0) {
+    reg_cv_.wait(g, idle);
+    return copies_done;
+  }
+  bool served = reg_cv_.wait_for(g, std::chrono::milliseconds(std::max<int64_t>(0, deadline - now_ms())), idle);
+  return copies_done && served;
 }
 
 bool Engine::has_memory(uint64_t id) {
@@ -799,6 +1120,11 @@ void Engine::unpin(const RegionPtr& r) {
 void Engine::record_inbound(const std::string& key, uint64_t uid, uint32_t total, int code,
                             const std::string& msg) {
   std::lock_guard<std::mutex> g(in_mu_);
+  record_inbound_locked(key, uid, total, code, msg);
+}
+
+void Engine::record_inbound_locked(const std::string& key, uint64_t uid, uint32_t total, int code,
+                                   const std::string& msg) {
   Inbound& in = inbound_[{key, uid}];
   in.total = total;
   in.seen += 1;
@@ -809,6 +1135,7 @@ void Engine::record_inbound(const std::string& key, uint64_t uid, uint32_t total
 }
 
 std::optional<std::pair<int, std::string>> Engine::pop_inbound(const std::string& key, uint64_t uid) {
+  drain_slots();
   std::lock_guard<std::mutex> g(in_mu_);
   auto it = inbound_.find({key, uid});
   if (it == inbound_.end() || it->second.seen < it->second.total) return std::nullopt;
@@ -823,6 +1150,9 @@ std::map<std::string, int64_t> Engine::counters() {
   c["served_socket"] = served_socket.load();
   c["failovers"] = failovers.load();
   c["staged_bytes"] = staged_bytes.load();
+  c["direct_copies"] = direct_copies.load();
+  c["direct_refused"] = direct_refused.load();
+  drain_slots();
   {
     std::lock_guard<std::mutex> g(in_mu_);
     c["inbound_pending"] = int64_t(inbound_.size());
@@ -925,6 +1255,23 @@ void Engine::serve(int fd, std::shared_ptr<std::atomic<bool>> finished) {
   append_string(&ack_body, cfg_.key);
   append_string(&ack_body, cfg_.token);
   append_string(&ack_body, nonce);
+  // Direct path: a same-host initiator asked for the registration table; grant it a slot.
+  int slot = -1;
+  if ((h.flags & kFlagDirect) && hello[2] == cfg_.node_id && peer_pid > 0 && !refuse_cma && tcp_config().enable_cma) {
+    DirectGrant grant;
+    slot = grant_slot(peer_key, peer_pid, &grant);
+    if (slot >= 0) {
+      ack.flags |= kFlagDirect;
+      append_string(&ack_body, std::string(reinterpret_cast<const char*>(&grant), sizeof grant));
+    }
+  }
+  struct SlotGuard {  // however serving ends, the slot's holder can start nothing new on it
+    Engine* e;
+    int slot;
+    ~SlotGuard() {
+      if (slot >= 0) e->release_slot(slot);
+    }
+  } slot_guard{this, slot};
   ack.body_len = uint32_t(ack_body.size());
   if (!send_msg(fd, ack, ack_body.data(), nullptr, nullptr).empty()) return;
 
@@ -935,13 +1282,32 @@ void Engine::serve(int fd, std::shared_ptr<std::atomic<bool>> finished) {
   while (!stop_) {
     int r = wait_readable(fd, 200);
     if (r < 0 && errno != EINTR) return;
-    if (r <= 0) continue;
+    if (r <= 0) {
+      if (slot >= 0) {  // inbound statuses of the direct path, when nobody asks for them
+        std::lock_guard<std::mutex> in(in_mu_);
+        drain_slot_locked(uint32_t(slot));
+      }
+      continue;
+    }
     err = recv_msg(fd, &h, &body);
     if (!err.empty()) {
       if (err != "connection closed by peer")
         MORI_IO_LOG(30, "engine '%s': closing connection from '%s': %s", cfg_.key.c_str(), peer_key.c_str(),
                     err.c_str());
       return;
+    }
+    if (h.type == kNotify) {  // the doorbell of the direct path, maybe with records the ring had no room for
+      std::lock_guard<std::mutex> in(in_mu_);
+      if (slot >= 0) drain_slot_locked(uint32_t(slot));
+      for (size_t off = 0; off + sizeof(NotifyRecord) <= body.size(); off += sizeof(NotifyRecord)) {
+        NotifyRecord rec;
+        std::memcpy(&rec, body.data() + off, sizeof rec);
+        int code = rec.code;
+        if (code != SUCCESS && (code < ERR_INVALID_ARGS || code > ERR_GPU_OP)) code = ERR_BAD_STATE;
+        record_inbound_locked(peer_key, rec.uid, std::max<uint32_t>(1, rec.total_parts), code,
+                              code == SUCCESS ? "" : "the initiator's direct copy failed (code " + std::to_string(code) + ")");
+      }
+      continue;
     }
     if (h.type != kWrite && h.type != kRead) {
       MORI_IO_LOG(30, "engine '%s': unexpected message type %d from '%s'", cfg_.key.c_str(), int(h.type),
@@ -1094,6 +1460,7 @@ void Engine::add_peer(const std::string& key, const std::string& host, uint16_t 
   if (old) {
     std::lock_guard<std::mutex> g(old->mu);
     close_conns(old->conns);
+    old->direct.reset();
   }
 }
 
@@ -1108,6 +1475,7 @@ void Engine::remove_peer(const std::string& key) {
   }
   std::lock_guard<std::mutex> g(p->mu);
   close_conns(p->conns);
+  p->direct.reset();
 }
 
 bool Engine::peer_alive(const std::string& key) {
@@ -1171,6 +1539,8 @@ std::string Engine::connect_peer(const PeerPtr& p, std::vector<std::shared_ptr<C
     set_timeouts(fd, cfg_.cp_timeout_ms);
     auto conn = std::make_shared<Conn>(this, p.get(), fd);
     Header h = make_header(kHello);
+    const bool want_direct = i == 0 && tcp.enable_cma && p->same_node;
+    if (want_direct) h.flags |= kFlagDirect;
     h.mem_id = uint64_t(::getpid());
     h.uid = uint64_t(reinterpret_cast<uintptr_t>(conn->nonce_buf()));
     std::vector<uint8_t> body;
@@ -1185,7 +1555,9 @@ std::string Engine::connect_peer(const PeerPtr& p, std::vector<std::shared_ptr<C
     if (err.empty() && a.type != kHelloAck) err = "unexpected answer to HELLO";
     if (err.empty() && a.status != 0) err = std::string(rb.begin(), rb.end());
     std::vector<std::string> strs;
-    if (err.empty()) err = parse_strings(rb.data(), rb.size(), 3, &strs);
+    const bool granted = err.empty() && want_direct && (a.flags & kFlagDirect);
+    if (err.empty()) err = parse_strings(rb.data(), rb.size(), granted ? 4 : 3, &strs);
+    if (err.empty() && granted && strs[3].size() != sizeof(DirectGrant)) err = "bad table grant";
     if (err.empty() && strs[0] != p->key)
       err = "the engine listening there is '" + strs[0] + "', not '" + p->key + "'";
     if (err.empty() && !cfg_.token.empty() && !equal_ct(strs[1], cfg_.token))
@@ -1197,26 +1569,102 @@ std::string Engine::connect_peer(const PeerPtr& p, std::vector<std::shared_ptr<C
     }
     std::memcpy(conn->nonce_buf(), strs[2].data(), 16);
     conn->start();
+    if (granted) {
+      DirectGrant grant;
+      std::memcpy(&grant, strs[3].data(), sizeof grant);
+      std::string why;
+      p->direct = open_direct(grant, conn, &why);
+      if (!p->direct) {
+        direct_refused.fetch_add(1);
+        MORI_IO_LOG(20, "peer '%s': no direct attach (%s); the target moves the bytes", p->key.c_str(), why.c_str());
+      }
+    }
     out->push_back(std::move(conn));
   }
   return "";
 }
 
-std::string Engine::peer_conns(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out) {
+std::string Engine::peer_conns(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out,
+                               std::shared_ptr<Direct>* direct) {
   std::lock_guard<std::mutex> g(p->mu);
   bool healthy = !p->conns.empty();
   for (auto& c : p->conns) healthy = healthy && !c->broken();
   if (!healthy) {
     close_conns(p->conns);
+    p->direct.reset();  // the slot belonged to the old connection
     std::string err = connect_peer(p, &p->conns);
     p->reachable = err.empty();
     if (!err.empty()) {
       close_conns(p->conns);
+      p->direct.reset();
       return err;
     }
   }
   *out = p->conns;
+  *direct = p->direct;
   return "";
+}
+
+// Maps the peer's table, checks it is the one the peer granted, and proves attach works on the
+// process that owns it (reads the nonce through process_vm_readv). nullptr (with the reason) if
+// anything is refused: the caller keeps the target-side path.
+std::shared_ptr<Direct> Engine::open_direct(const DirectGrant& g, const std::shared_ptr<Conn>& conn0, std::string* why) {
+  if (refuse_direct) {
+    *why = "test mode: attach refused";
+    return nullptr;
+  }
+  if (g.slot >= kTableSlots) {
+    *why = "bad slot in the grant";
+    return nullptr;
+  }
+  auto d = std::make_shared<Direct>();
+  d->pid = pid_t(g.pid);
+  d->token = g.token;
+  std::string path = "/proc/" + std::to_string(g.pid) + "/fd/" + std::to_string(g.fd);
+  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    *why = "cannot open the peer's table " + path + ": " + errno_text(errno);
+    return nullptr;
+  }
+  struct stat stt {};
+  if (::fstat(fd, &stt) != 0 || uint64_t(stt.st_size) < kTableBytes) {
+    ::close(fd);
+    *why = "the peer's table has the wrong size";
+    return nullptr;
+  }
+  void* ro = ::mmap(nullptr, kSlotsOff, PROT_READ, MAP_SHARED, fd, 0);
+  void* rw = ::mmap(nullptr, kSlotBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, off_t(kSlotsOff + kSlotBytes * g.slot));
+  int map_errno = errno;
+  ::close(fd);
+  if (ro != MAP_FAILED) d->table = static_cast<const uint8_t*>(ro);
+  if (rw != MAP_FAILED) d->slot_map = static_cast<uint8_t*>(rw);
+  if (!d->table || !d->slot_map) {
+    *why = "cannot map the peer's table: " + errno_text(map_errno);
+    return nullptr;
+  }
+  d->slot = reinterpret_cast<TableSlot*>(d->slot_map);
+  const TableHeader* h = d->header();
+  if (h->magic != kTableMagic || h->version != kTableVersion || h->entries != kTableEntries ||
+      h->slots != kTableSlots || h->ring_records != kRingRecords || h->entries_off != kEntriesOff ||
+      h->slots_off != kSlotsOff || h->slot_bytes != kSlotBytes || std::memcmp(h->nonce, g.nonce, 16) != 0) {
+    *why = "the table at " + path + " is not the one the peer granted";
+    return nullptr;
+  }
+  const uint64_t nonce_off = uint64_t(reinterpret_cast<uintptr_t>(h->nonce) - reinterpret_cast<uintptr_t>(h));
+  uint8_t got[16];
+  iovec l{got, 16}, r{reinterpret_cast<void*>(g.table_addr + nonce_off), 16};
+  ssize_t n = ::process_vm_readv(d->pid, &l, 1, &r, 1, 0);
+  if (n != 16 || std::memcmp(got, g.nonce, 16) != 0) {
+    *why = n < 0 ? "process_vm_readv: " + errno_text(errno) : "the peer's process does not map the table it granted";
+    return nullptr;
+  }
+  if (d->slot->owner.load() != g.token) {
+    *why = "the slot was not granted to this engine";
+    return nullptr;
+  }
+  d->pidfd = pidfd_open(d->pid);
+  d->conn0 = conn0;
+  return d;
 }
 
 std::string Engine::route_of(const std::string& peer_key, uint64_t local_id, bool remote_cpu) {
@@ -1283,7 +1731,8 @@ StatusPtr Engine::post(uint16_t op, uint64_t local_id, const std::string& peer_k
     return st;
   }
   std::vector<std::shared_ptr<Conn>> conns;
-  err = peer_conns(peer, &conns);
+  std::shared_ptr<Direct> direct;
+  err = peer_conns(peer, &conns, &direct);
   if (!err.empty()) {
     st->complete(ERR_BAD_STATE, "remote engine '" + peer_key + "': " + err);
     return st;
@@ -1306,6 +1755,10 @@ StatusPtr Engine::post(uint16_t op, uint64_t local_id, const std::string& peer_k
       segs.push_back({roffs[i], sizes[i], addr});
     }
   }
+  // Same-host CPU memory: the initiator copies itself, checked against the target's own table.
+  if ((flags & kFlagCma) && direct && direct->ok.load(std::memory_order_relaxed) &&
+      direct_post(*direct, peer_key, op, remote_id, segs, uid, tcp.enable_notification, st))
+    return st;
   std::vector<PartPtr> parts;
   auto new_part = [&] {
     auto p = std::make_shared<Part>();
@@ -1341,6 +1794,186 @@ StatusPtr Engine::post(uint16_t op, uint64_t local_id, const std::string& peer_k
     conns[(base + i) % conns.size()]->submit(parts[i]);
   }
   return st;
+}
+
+// -- direct path (initiator side) ------------------------------------------------------------
+
+namespace {
+constexpr uint64_t kSplitMinDefault = 1u << 20;  // smallest piece worth a second thread (measured: smaller pieces lose)
+
+uint64_t split_min() {
+  static const uint64_t v = [] {
+    const char* e = std::getenv("MORI_IO_CMA_SPLIT_BYTES");  // undocumented: for tuning
+    uint64_t x = e ? std::strtoull(e, nullptr, 10) : 0;
+    return x >= 4096 ? x : kSplitMinDefault;
+  }();
+  return v;
+}
+}  // namespace
+
+// Copies matching iovec lists, cut into pieces of about equal size run in parallel (the calling
+// thread copies the first) when the transfer is large. Returns 0 or the first errno.
+int Engine::copy_parallel(bool pull, pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote,
+                          uint64_t total) {
+  int threads = tcp_config().cma_threads;
+  if (threads <= 0) threads = int(std::min(4u, std::max(1u, std::thread::hardware_concurrency())));
+  const uint64_t k = std::min<uint64_t>(uint64_t(threads), total / split_min());
+  if (k <= 1) return cma_copy(pull, pid, std::move(local), std::move(remote));
+  CopyPool* pool;
+  {
+    std::lock_guard<std::mutex> g(pool_mu_);
+    if (!pool_ || pool_->workers() < threads - 1) {
+      pool_.reset();
+      pool_ = std::make_unique<CopyPool>(threads - 1);
+    }
+    pool = pool_.get();
+  }
+  struct Piece {
+    std::vector<iovec> l, r;
+  };
+  std::vector<Piece> pieces(k);
+  const uint64_t per = (total + k - 1) / k;
+  size_t i = 0;
+  uint64_t at = 0;  // bytes of local[i] already assigned
+  for (uint64_t p = 0; p < k; ++p) {
+    uint64_t want = p + 1 == k ? ~uint64_t(0) : per;
+    while (want > 0 && i < local.size()) {
+      uint64_t take = std::min<uint64_t>(want, local[i].iov_len - at);
+      if (take) {
+        pieces[p].l.push_back({static_cast<char*>(local[i].iov_base) + at, take});
+        pieces[p].r.push_back({static_cast<char*>(remote[i].iov_base) + at, take});
+      }
+      at += take;
+      want -= take;
+      if (at == local[i].iov_len) {
+        ++i;
+        at = 0;
+      }
+    }
+  }
+  struct Join {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::atomic<int> left{0};
+    std::atomic<int> err{0};
+  };
+  auto join = std::make_shared<Join>();
+  join->left = int(k - 1);
+  for (uint64_t p = 1; p < k; ++p) {
+    pool->run([join, pull, pid, piece = std::move(pieces[p])]() mutable {
+      int e = cma_copy(pull, pid, std::move(piece.l), std::move(piece.r));
+      if (e) {
+        int zero = 0;
+        join->err.compare_exchange_strong(zero, e);
+      }
+      std::lock_guard<std::mutex> g(join->mu);
+      if (join->left.fetch_sub(1) == 1) join->cv.notify_all();
+    });
+  }
+  int e0 = cma_copy(pull, pid, std::move(pieces[0].l), std::move(pieces[0].r));
+  for (int spin = 0; spin < 2000 && join->left.load() > 0; ++spin) std::this_thread::yield();
+  {
+    std::unique_lock<std::mutex> g(join->mu);
+    join->cv.wait(g, [&] { return join->left.load() == 0; });
+  }
+  return e0 ? e0 : join->err.load();
+}
+
+namespace {
+// Appends an inbound status to the slot's ring (the target reads it there), or sends it with the
+// doorbell when the ring is full; rings the doorbell when the ring is half full.
+void push_record(Direct& d, uint64_t uid, int code, std::shared_ptr<Conn>* bell, std::vector<uint8_t>* bell_body) {
+  NotifyRecord rec{uid, code, 1};
+  std::lock_guard<std::mutex> g(d.ring_mu);
+  TableSlot* s = d.slot;
+  uint64_t h = s->head.load(std::memory_order_relaxed), t = s->tail.load(std::memory_order_acquire);
+  if (h - t >= kRingRecords) {
+    const auto* p = reinterpret_cast<const uint8_t*>(&rec);
+    bell_body->assign(p, p + sizeof rec);
+    *bell = d.conn0.lock();
+    return;
+  }
+  s->ring[h % kRingRecords] = rec;
+  s->head.store(h + 1, std::memory_order_release);
+  if (h + 1 - t >= kRingRecords / 2 && h + 1 - d.rung_at >= kRingRecords / 2) {
+    d.rung_at = h + 1;
+    *bell = d.conn0.lock();
+  }
+}
+}  // namespace
+
+bool Engine::direct_post(Direct& d, const std::string& peer_key, uint16_t op, uint64_t remote_id,
+                         const std::vector<Seg>& segs, uint64_t uid, bool notify, const StatusPtr& st) {
+  if (!d.alive()) {
+    d.ok = false;
+    return false;  // the socket path reports the peer's state
+  }
+  // Announce the copy before reading the table (table.hpp: the deregistration protocol).
+  const uint64_t e = d.header()->epoch.load(std::memory_order_seq_cst) & 1;
+  d.slot->busy[e].fetch_add(1, std::memory_order_seq_cst);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  struct Busy {
+    Direct& d;
+    uint64_t e;
+    ~Busy() { d.slot->busy[e].fetch_sub(1, std::memory_order_seq_cst); }
+  };
+  std::shared_ptr<Conn> bell;
+  std::vector<uint8_t> bell_body;
+  int code = SUCCESS;
+  std::string msg;
+  {
+    Busy busy{d, e};
+    if (d.slot->owner.load(std::memory_order_seq_cst) != d.token) {  // the target released the slot
+      d.ok = false;
+      return false;
+    }
+    uint64_t raddr = 0, rsize = 0;
+    if (!table_read_entry(d.entry(remote_id), remote_id, &raddr, &rsize))
+      return false;  // not published (GPU memory, unknown, retired, table full): the target decides
+    uint64_t total = 0;
+    for (const Seg& s : segs) {
+      if (s.off > rsize || s.len > rsize - s.off) {
+        code = ERR_INVALID_ARGS;
+        msg = "offset " + std::to_string(s.off) + " + size " + std::to_string(s.len) +
+              " is outside memory region " + std::to_string(remote_id) + " of engine '" + peer_key + "' (" +
+              std::to_string(rsize) + " bytes, per its own registration table)";
+        break;
+      }
+      total += s.len;
+    }
+    if (code == SUCCESS && direct_delay_ms.load() > 0)
+      std::this_thread::sleep_for(std::chrono::milliseconds(direct_delay_ms.load()));
+    if (code == SUCCESS && total > 0) {
+      std::vector<iovec> mine, theirs;
+      mine.reserve(segs.size());
+      theirs.reserve(segs.size());
+      for (const Seg& s : segs) {
+        mine.push_back({reinterpret_cast<void*>(s.addr), s.len});
+        theirs.push_back({reinterpret_cast<void*>(raddr + s.off), s.len});
+      }
+      int err = copy_parallel(op == kRead, d.pid, mine, theirs, total);
+      if (refused_errno(err)) {  // the OS said no after all: the target-side path takes over
+        d.ok = false;
+        direct_refused.fetch_add(1);
+        MORI_IO_LOG(20, "peer '%s': direct attach refused (%s); the target moves the bytes", peer_key.c_str(),
+                    errno_text(err).c_str());
+        return false;
+      }
+      if (err == ESRCH) {
+        code = ERR_BAD_STATE;
+        msg = "peer '" + peer_key + "': its process is gone";
+      } else if (err != 0) {
+        code = ERR_INVALID_ARGS;
+        msg = "cross-memory attach to '" + peer_key + "' failed: " + errno_text(err);
+      }
+    }
+    if (code == SUCCESS) direct_copies.fetch_add(1, std::memory_order_relaxed);
+    // The target learns of the transfer before the initiator does (as on the socket path).
+    if (notify) push_record(d, uid, code, &bell, &bell_body);
+  }
+  st->complete(code, msg);
+  if (bell) bell->oneway(std::move(bell_body));
+  return true;
 }
 
 }  // namespace mori::io

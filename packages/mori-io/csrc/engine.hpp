@@ -8,13 +8,27 @@
 // receiver thread (completes statuses, lands read data directly in registered memory, fails
 // everything when the peer is silent longer than the control-plane timeout).
 //
-// Same-host peers: when both memories are CPU memory and the peer is on this node, the bytes of a
-// request move by cross-memory attach (process_vm_readv/writev) done by the *target*, so the
-// target still checks bounds against its own table. The initiator proves its pid at the first
-// such request (the target reads back a nonce it sent in the handshake). If the OS refuses
+// Same-host peers, direct path (the fast one): the target publishes its registration table in a
+// memfd (table.hpp) and grants each same-host initiator engine a slot in it at the handshake. The
+// initiator then moves CPU bytes itself with process_vm_readv/writev, checking every block
+// against the entry the target wrote, with no socket round trip: the transfer completes inside
+// post() (its status is already Succeeded, or Failed, when post returns). Large transfers are cut
+// into pieces copied in parallel by a small pool (TcpConfig::cma_threads threads in all,
+// MORI_IO_CMA_THREADS). The inbound status reaches the target through the slot's ring.
+// deregister_memory on the target retires the entry and waits for copies in flight (epoch and
+// busy counters in the slot), so no byte is touched after it returns. Regions that are not in the
+// table (GPU memory, a full table) and every refusal (no grant, /proc or the probe denied, EPERM)
+// take the path below instead.
+//
+// Same-host peers, target-side attach (the fallback): when both memories are CPU memory and the
+// peer is on this node, the bytes of a request move by cross-memory attach done by the *target*,
+// so the target still checks bounds against its own table. The initiator proves its pid at the
+// first such request (the target reads back a nonce it sent in the handshake). If the OS refuses
 // (EPERM, seccomp), the target answers "unavailable" and the initiator resends the same bytes
 // over the socket and stops using attach for that peer: a failover, not a failure.
 #pragma once
+
+#include <sys/types.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -31,6 +45,7 @@
 #include <vector>
 
 #include "protocol.hpp"
+#include "table.hpp"
 
 struct iovec;
 
@@ -83,6 +98,7 @@ struct Region {
   int loc = 0;  // MemoryLocationType: 1 CPU, 2 GPU
   int device = -1;
   bool alive = true;
+  bool published = false;  // in the shared registration table (table.hpp)
   int64_t inflight = 0;  // guarded by Engine::reg_mu_
 };
 using RegionPtr = std::shared_ptr<Region>;
@@ -104,6 +120,7 @@ struct TcpConfig {
   int socket_buffer_bytes = 0;  // 0: kernel autotuning
   bool enable_cma = true;
   bool enable_notification = true;
+  int cma_threads = 0;  // threads (the caller included) that copy one large direct transfer; 0: auto
 };
 
 struct EngineConfig {
@@ -130,8 +147,12 @@ struct Part {
   uint64_t bytes = 0;
   int local_loc = 1;  // MemoryLocationType of the initiator's region: 1 CPU, else staged
   int local_device = -1;
+  std::vector<uint8_t> body;  // kNotify only: NotifyRecords
 };
 using PartPtr = std::shared_ptr<Part>;
+
+struct Direct;  // an initiator's view of a peer's shared table (engine.cpp)
+class CopyPool;
 
 struct Peer {
   std::string key, host;
@@ -142,6 +163,7 @@ struct Peer {
   std::atomic<bool> cma_ok{true};
   std::atomic<bool> reachable{true};  // false after a failed connect, until one succeeds
   std::atomic<uint64_t> rr{0};
+  std::shared_ptr<Direct> direct;  // guarded by mu; set up with the connections
 };
 using PeerPtr = std::shared_ptr<Peer>;
 
@@ -193,15 +215,53 @@ class Engine {
   uint64_t next_req_id() { return req_ids_.fetch_add(1) + 1; }
   const EngineConfig& cfg() const { return cfg_; }
   std::atomic<int64_t> served_cma{0}, served_socket{0}, failovers{0}, staged_bytes{0};
-  // Test mode: answer every attach request as if the OS refused it (exercises the failover).
+  std::atomic<int64_t> direct_copies{0}, direct_refused{0};
+  // Test mode: answer every attach request as if the OS refused it and grant no table (exercises
+  // the failover).
   std::atomic<bool> refuse_cma{false};
+  // Test modes of the initiator: the direct path's probe fails as with EPERM; each direct copy
+  // sleeps this long after its bounds check (makes a deregistration race deterministic).
+  std::atomic<bool> refuse_direct{false};
+  std::atomic<int64_t> direct_delay_ms{0};
+  // used by connections (initiator side)
+  std::shared_ptr<Direct> open_direct(const DirectGrant& g, const std::shared_ptr<Conn>& conn0, std::string* why);
 
  private:
   void accept_loop();
   void serve(int fd, std::shared_ptr<std::atomic<bool>> finished);
   std::string connect_peer(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out);
-  std::string peer_conns(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out);
   void close_conns(std::vector<std::shared_ptr<Conn>>& conns);
+  std::string peer_conns(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out, std::shared_ptr<Direct>* direct);
+  // Direct path, initiator: true if the transfer was handled (its status completed).
+  bool direct_post(Direct& d, const std::string& peer_key, uint16_t op, uint64_t remote_id, const std::vector<Seg>& segs,
+                   uint64_t uid, bool notify, const StatusPtr& st);
+  int copy_parallel(bool pull, pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t total);
+  // Direct path, target: the table and its slots.
+  void create_table();
+  bool table_ok() const { return table_ != nullptr; }
+  TableEntry* table_entry(uint64_t id) const;
+  TableSlot* table_slot(uint32_t i) const;
+  int grant_slot(const std::string& peer_key, pid_t peer_pid, DirectGrant* g);
+  void release_slot(int slot);
+  void drain_slots();
+  void drain_slot_locked(uint32_t i);  // in_mu_ held
+  void record_inbound_locked(const std::string& key, uint64_t uid, uint32_t total, int code, const std::string& msg);
+  bool wait_copies(int64_t deadline_ms);  // flips the epoch, waits for copies that might see the old table
+  void retire_all();
+
+  struct SlotInfo {
+    bool used = false;      // granted to a connection that is still open
+    bool released = false;  // its connection closed; reusable once nothing is in flight
+    int pidfd = -1;         // the initiator process (to ignore its counters once it is gone)
+    std::string key;        // guarded by in_mu_ (the ring drain needs it)
+  };
+  uint8_t* table_ = nullptr;
+  int table_fd_ = -1;
+  std::mutex slot_mu_;
+  std::vector<SlotInfo> slots_;
+  std::mutex dereg_mu_;
+  std::mutex pool_mu_;
+  std::unique_ptr<CopyPool> pool_;
 
   EngineConfig cfg_;
   std::mutex tcp_mu_;

@@ -25,13 +25,16 @@ enum MsgType : uint16_t {
   kRead = 4,      // segments; answered by kReadData (payload) or kAck (kFlagCma: target pushed)
   kAck = 5,       // status of a kWrite / CMA kRead; body = error message
   kReadData = 6,  // status + payload of a kRead; body = error message
+  kNotify = 7,    // initiator -> target, one way: drain my slot's ring; body = NotifyRecords (table.hpp)
 };
 
 enum MsgFlags : uint32_t {
   kFlagCma = 1,     // bytes move by cross-memory attach done by the target, not over the socket
   kFlagNotify = 2,  // target records an inbound status for (initiator key, uid)
+  kFlagDirect = 4,  // HELLO: asks for the registration table; HELLO answer: grants it (4th string)
 };
-constexpr uint32_t kKnownFlags = kFlagCma | kFlagNotify;
+constexpr uint32_t kKnownFlags = kFlagCma | kFlagNotify | kFlagDirect;
+constexpr uint32_t kNotifyRecordBytes = 16;
 
 #pragma pack(push, 1)
 struct Header {
@@ -76,12 +79,18 @@ inline std::string check_header(const Header& h) {
   if (h.flags & ~kKnownFlags) return "unknown flags";
   if (h.reserved != 0) return "reserved field not zero";
   if (h.payload_len > kMaxPayload) return "payload larger than 2 GiB";
+  if ((h.flags & kFlagDirect) && h.type != kHello && h.type != kHelloAck) return "direct flag outside HELLO";
   switch (h.type) {
     case kHello:
     case kHelloAck:
     case kAck:
       if (h.nsegs != 0 || h.payload_len != 0) return "control message with segments or payload";
       if (h.body_len > kMaxText) return "text body too long";
+      return "";
+    case kNotify:
+      if (h.nsegs != 0 || h.payload_len != 0) return "notification with segments or payload";
+      if (h.body_len > kMaxText || h.body_len % kNotifyRecordBytes != 0) return "bad notification body";
+      if (h.status != 0) return "notification with a status";
       return "";
     case kReadData:
       if (h.nsegs != 0) return "read data with segments";

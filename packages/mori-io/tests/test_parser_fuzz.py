@@ -50,7 +50,7 @@ def messages(draw: st.DrawFn) -> bytes:
         draw(st.one_of(st.just(MAGIC), u32)),
         draw(st.one_of(st.just(1), st.integers(0, 2**16 - 1))),
         mtype,
-        draw(st.one_of(st.integers(0, 3), u32)),
+        draw(st.one_of(st.integers(0, 7), u32)),
         draw(st.one_of(st.just(0), st.integers(-(2**31), 2**31 - 1))),
         draw(u64),
         draw(u64),
@@ -74,7 +74,8 @@ def test_structured_messages_respect_the_limits(data: bytes) -> None:
         HEADER.unpack(data[:64])
     )
     # whatever parses is within every limit the engine relies on
-    assert magic == MAGIC and version == 1 and reserved == 0 and flags & ~3 == 0
+    assert magic == MAGIC and version == 1 and reserved == 0 and flags & ~7 == 0
+    assert not flags & 4 or mtype in (1, 2)  # kFlagDirect: HELLO and its answer only
     assert len(data) == 64 + body_len + payload_len and payload_len <= LIMIT_PAYLOAD
     if mtype in (3, 4):
         segs = out["segments"]
@@ -86,6 +87,9 @@ def test_structured_messages_respect_the_limits(data: bytes) -> None:
             assert total == payload_len
         else:
             assert payload_len == 0
+    elif mtype == 7:  # kNotify: one-way records of the direct path, 16 bytes each
+        assert nsegs == 0 and payload_len == 0 and status == 0 and body_len <= 4096 and body_len % 16 == 0
+        assert len(out["records"]) == body_len // 16
     else:
         assert mtype in (1, 2, 5, 6) and nsegs == 0 and body_len <= 4096
 

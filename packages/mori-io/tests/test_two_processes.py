@@ -126,14 +126,21 @@ def _peer(rank: int, nranks: int, d: str, cma: bool) -> dict[str, int]:
         return {
             "route_cma": int(e._route_name(ms, writable) == "tcp+cma"),
             "failovers": e._counters()["failovers"],
+            "direct_copies": e._counters()["direct_copies"],
+            "direct_refused": e._counters()["direct_refused"],
         }
 
 
 @pytest.mark.parametrize("cma", [False, True], ids=["socket", "cma"])
 def test_matrix_across_processes(tmp_path: Path, cma: bool) -> None:
     target, initiator = run_ranks(_peer, 2, str(tmp_path), cma, timeout=180)
-    if cma and initiator["failovers"] == 0:
-        # attach between sibling processes worked: every request was served by it
+    if cma and initiator["direct_refused"] == 0:
+        # the initiator attached to the target itself (direct path, checked against the target's
+        # published table): the target served no request
+        assert initiator["route_cma"] == 1 and initiator["direct_copies"] > 0
+        assert target["served_cma"] == 0 and target["served_socket"] == 0
+    elif cma and initiator["failovers"] == 0:
+        # the direct path was refused, the target attached instead: every request was served by it
         assert initiator["route_cma"] == 1
         assert target["served_cma"] > 0 and target["served_socket"] == 0
     elif cma:
@@ -141,6 +148,7 @@ def test_matrix_across_processes(tmp_path: Path, cma: bool) -> None:
         assert initiator["route_cma"] == 0 and target["served_socket"] > 0
     else:
         assert target["served_cma"] == 0 and target["served_socket"] > 0
+        assert initiator["direct_copies"] == 0
 
 
 _TARGET_SCRIPT = """

@@ -83,6 +83,18 @@ MORI_IO_TCP_CMA = EnvVar(
     "1/0, on/off, true/false, yes/no",
 )
 
+MORI_IO_CMA_THREADS = EnvVar(
+    "MORI_IO_CMA_THREADS",
+    None,
+    "Threads (the posting one included) that copy one large same-host transfer of the TCP "
+    "backend's direct attach path (process_vm_readv/writev by the initiator): a transfer is cut "
+    "into up to that many pieces of at least 1 MiB, copied in parallel. Default: the number of "
+    "CPUs, at most 4; 1 copies on the posting thread only.",
+    "2",
+    _positive_int,
+    "a whole number > 0",
+)
+
 
 #: every variable mori-io reads, in the order `mori env` prints them
 def _threshold(text: str) -> int:
@@ -123,6 +135,7 @@ ALL: tuple[EnvVar[object], ...] = (
     MORI_IO_CHUNK_BYTES,
     MORI_IO_TCP_CONNS_PER_PEER,
     MORI_IO_TCP_CMA,
+    MORI_IO_CMA_THREADS,
     MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD,
     MORI_IO_XGMI_STRIPE_BYTES,
 )

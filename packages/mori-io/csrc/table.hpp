@@ -1,0 +1,133 @@
+// The registration table an engine publishes to same-host initiators, in a memfd that the owner
+// (the target) creates and alone writes the entries of.
+//
+// Why: between two processes of one host an initiator can move bytes itself with cross-memory
+// attach (process_vm_readv/writev), with no request and reply over the socket per transfer. The
+// table keeps the owner in charge of what is reachable: the initiator checks every block against
+// the entry the *owner* wrote (never against the descriptor it was handed), and the owner retires
+// an entry before deregister_memory returns.
+//
+// Layout (one memfd):
+//   page 0       TableHeader: magic, sizes, a nonce, the epoch
+//   entries      kTableEntries x TableEntry, written by the owner only; initiators map them read-only.
+//                Region id `id` lives at index id % kTableEntries when that index was free at
+//                registration (else it is not published and transfers on it take the socket path).
+//   slots        kTableSlots x TableSlot, page aligned; the owner grants one to each same-host
+//                initiator engine (HELLO with kFlagDirect), which maps just that slot read-write.
+//
+// Entries: a seqlock per entry (odd `seq` while the owner rewrites it). Retired entries have id 0.
+//
+// In-flight copies (the deregistration protocol): an initiator reads the epoch, increments
+// busy[epoch & 1] of its slot, then (after a full fence) reads the entry, checks the blocks,
+// copies, and decrements the same counter. deregister_memory retires the entry, fences, flips the
+// epoch and waits until busy[old & 1] of every slot is 0 (or its owner process is gone). Whichever
+// of "initiator's increment" and "owner's check" comes first in the single total order of these
+// seq_cst operations: either the owner waits for the copy, or the initiator sees the retired entry
+// and moves no byte. So no byte of a region is touched after deregister_memory returns.
+//
+// Inbound statuses: the initiator appends {uid, parts, code} to its slot's ring (single producer:
+// one engine, serialised by a mutex) *before* it completes its own status, so a target that pops
+// after the initiator saw success finds it, as with the socket path. The target drains the rings
+// when asked (pop_inbound_transfer_status, counters), every 200 ms from the connection's thread,
+// and when the initiator rings the doorbell (a kNotify message once the ring is half full; a
+// record that finds the ring full travels inside such a message).
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace mori::io {
+
+constexpr uint64_t kTableMagic = 0x314c4254494f524dull;  // "MROITBL1"
+constexpr uint32_t kTableVersion = 1;
+constexpr uint32_t kTableEntries = 16384;
+constexpr uint32_t kTableSlots = 128;
+constexpr uint32_t kRingRecords = 4096;
+constexpr size_t kTablePage = 4096;
+
+struct alignas(64) TableEntry {
+  std::atomic<uint64_t> seq;
+  std::atomic<uint64_t> id;  // 0: free or retired
+  std::atomic<uint64_t> addr;
+  std::atomic<uint64_t> size;
+};
+
+struct TableHeader {
+  uint64_t magic;
+  uint32_t version, entries, slots, ring_records;
+  uint64_t entries_off, slots_off, slot_bytes, total_bytes;
+  uint8_t nonce[16];
+  alignas(64) std::atomic<uint64_t> epoch;
+};
+
+#pragma pack(push, 1)
+struct NotifyRecord {  // also the body of a kNotify message (any number of them)
+  uint64_t uid;
+  int32_t code;
+  uint32_t total_parts;
+};
+#pragma pack(pop)
+static_assert(sizeof(NotifyRecord) == 16, "notification record is 16 bytes");
+
+struct TableSlot {
+  alignas(64) std::atomic<uint64_t> owner;  // token of the initiator engine holding it; 0: released
+  alignas(64) std::atomic<uint64_t> busy[2];
+  alignas(64) std::atomic<uint64_t> head;   // written by the initiator
+  alignas(64) std::atomic<uint64_t> tail;   // written by the owner
+  alignas(64) NotifyRecord ring[kRingRecords];
+};
+
+constexpr size_t round_page(size_t n) { return (n + kTablePage - 1) / kTablePage * kTablePage; }
+constexpr size_t kEntriesOff = kTablePage;
+constexpr size_t kSlotsOff = kEntriesOff + round_page(sizeof(TableEntry) * kTableEntries);
+constexpr size_t kSlotBytes = round_page(sizeof(TableSlot));
+constexpr size_t kTableBytes = kSlotsOff + kSlotBytes * kTableSlots;
+static_assert(sizeof(TableHeader) <= kTablePage, "header fits in a page");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared atomics must be lock free");
+
+#pragma pack(push, 1)
+// What the owner grants in its HELLO answer (4th string of a kHelloAck with kFlagDirect).
+struct DirectGrant {
+  uint32_t pid;        // the owner's pid (its namespace; the initiator proves it with the nonce)
+  int32_t fd;          // the memfd, opened by the initiator through /proc/<pid>/fd/<fd>
+  uint64_t table_addr; // where the owner maps the table (the initiator reads the nonce there)
+  uint64_t token;      // the slot's owner token
+  uint32_t slot;
+  uint32_t reserved;
+  uint8_t nonce[16];
+};
+#pragma pack(pop)
+static_assert(sizeof(DirectGrant) == 48, "grant is 48 bytes");
+
+// Owner side: rewrite an entry under its seqlock (callers serialise writers).
+inline void table_write_entry(TableEntry* e, uint64_t id, uint64_t addr, uint64_t size) {
+  uint64_t s = e->seq.load(std::memory_order_relaxed);
+  e->seq.store(s + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  e->id.store(id, std::memory_order_relaxed);
+  e->addr.store(addr, std::memory_order_relaxed);
+  e->size.store(size, std::memory_order_relaxed);
+  e->seq.store(s + 2, std::memory_order_release);
+}
+
+// Initiator side: a consistent snapshot of entry `id`; false if the entry holds another id (not
+// published, retired) or the owner kept rewriting it.
+inline bool table_read_entry(const TableEntry* e, uint64_t id, uint64_t* addr, uint64_t* size) {
+  for (int tries = 0; tries < 10000; ++tries) {
+    uint64_t s1 = e->seq.load(std::memory_order_acquire);
+    if (s1 & 1) continue;
+    uint64_t eid = e->id.load(std::memory_order_relaxed);
+    uint64_t a = e->addr.load(std::memory_order_relaxed);
+    uint64_t sz = e->size.load(std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (e->seq.load(std::memory_order_relaxed) != s1) continue;
+    if (eid != id || id == 0) return false;
+    *addr = a;
+    *size = sz;
+    return true;
+  }
+  return false;
+}
+
+}  // namespace mori::io

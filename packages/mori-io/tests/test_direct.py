@@ -1,0 +1,335 @@
+"""The direct path of the TCP backend: a same-host initiator copies CPU bytes itself
+(process_vm_readv/writev), checked against the registration table the target publishes, with no
+socket round trip per transfer (csrc/table.hpp)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mori.core.errors import MoriTimeoutError
+from mori.io import EngineDesc, MemoryDesc, MemoryLocationType, StatusCode, TcpBackendConfig
+from mori.testing import run_ranks
+
+
+def _pair(make, cfg: TcpBackendConfig | None = None, n: int = 4 << 20):
+    a, b = make("a", cfg), make("b", cfg)
+    a.register_remote_engine(b.get_engine_desc())
+    x = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    y = torch.zeros(n, dtype=torch.uint8)
+    return a, b, x, y, a.register_torch_tensor(x), b.register_torch_tensor(y)
+
+
+def test_transfer_completes_inside_the_post_call(make) -> None:
+    a, b, x, y, mx, my = _pair(make)
+    st = a.write(mx, 0, my, 0, 1 << 20, 1)
+    # no socket round trip: the status is final when write() returns
+    assert st.WaitFor(0) and st.Succeeded(), st.Message()
+    assert torch.equal(y[: 1 << 20], x[: 1 << 20])
+    assert a._counters()["direct_copies"] == 1
+    assert b._counters()["served_cma"] == 0 and b._counters()["served_socket"] == 0
+    inbound = b.pop_inbound_transfer_status("a", 1)
+    assert inbound is not None and inbound.Succeeded()
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_large_transfers_split_over_threads_are_byte_exact(
+    monkeypatch: pytest.MonkeyPatch, make, op: str
+) -> None:
+    monkeypatch.setenv("MORI_IO_CMA_THREADS", "3")
+    a, _b, x, y, mx, my = _pair(make, n=24 << 20)
+    if op == "read":
+        y.copy_(torch.randint(0, 256, y.shape, dtype=torch.uint8))
+    # one odd-sized block, then a batch of uneven, non-contiguous blocks (pieces cut inside blocks)
+    sizes = [(7 << 20) + 13, 3, 1 << 20, (2 << 20) + 4097, 65536 - 1, (3 << 20) + 1]
+    lo, ro, at_l, at_r = [], [], 5, 1000
+    for s in sizes:
+        lo.append(at_l)
+        ro.append(at_r)
+        at_l += s + 17
+        at_r += s + 4096 + 3
+    src, dst = (x, y) if op == "write" else (y, x)
+    st = getattr(a, op)(mx, 11, my, 22, sizes[0], 1)
+    assert st.WaitFor(0) and st.Succeeded(), st.Message()
+    s_off, d_off = (11, 22) if op == "write" else (22, 11)
+    assert torch.equal(dst[d_off : d_off + sizes[0]], src[s_off : s_off + sizes[0]])
+    (bst,) = getattr(a, f"batch_{op}")([mx], [lo], [my], [ro], [sizes], [2])
+    assert bst.WaitFor(0) and bst.Succeeded(), bst.Message()
+    for lo_, ro_, n in zip(lo, ro, sizes, strict=True):
+        s_off, d_off = (lo_, ro_) if op == "write" else (ro_, lo_)
+        assert torch.equal(dst[d_off : d_off + n], src[s_off : s_off + n])
+    assert a._counters()["direct_copies"] == 2
+
+
+def test_forged_descriptor_is_stopped_by_the_owners_table(make) -> None:
+    """The initiator checks blocks against the entry the target wrote, not the descriptor."""
+    a, b, _x, y, mx, my = _pair(make, n=1 << 20)
+    n = y.numel()
+    forged = MemoryDesc(**{**my.__dict__, "size": n * 4})
+    before = y.clone()
+    for i, st in enumerate(
+        (
+            a.write(mx, 0, forged, n - 8, 16, 1),
+            a.read(mx, 0, forged, n, 8, 2),
+            a.create_session(mx, forged).batch_write([0, 0], [0, n - 1], [4, 4], 3),
+        )
+    ):
+        assert st.WaitFor(0), "a refused direct transfer completes inside the post call"
+        assert st.Code() == StatusCode.ERR_INVALID_ARGS, (i, st.Message())
+        assert "per its own registration table" in st.Message()
+    assert torch.equal(y, before), "bytes moved despite the bounds check"
+    # the target learns of the refused transfer too
+    inbound = b.pop_inbound_transfer_status("a", 1)
+    assert inbound is not None and inbound.Code() == StatusCode.ERR_INVALID_ARGS
+    assert a._counters()["direct_copies"] == 0
+
+
+def test_deregister_waits_for_a_copy_in_flight(make) -> None:
+    a, b, x, y, mx, my = _pair(make)
+    a._native._test_direct_delay_ms(400)  # the copy sleeps after its bounds check
+    result: dict[str, object] = {}
+
+    def post() -> None:
+        result["st"] = a.write(mx, 0, my, 0, x.numel(), 1)
+        result["done_at"] = time.monotonic()
+
+    th = threading.Thread(target=post)
+    th.start()
+    time.sleep(0.1)  # the copy has read the table entry and is sleeping
+    t0 = time.monotonic()
+    b.deregister_memory(my)
+    returned_at = time.monotonic()
+    # deregister_memory returned only once the copy was over ...
+    assert returned_at - t0 > 0.15, "deregister_memory did not wait for the copy in flight"
+    snapshot = y.clone()
+    th.join()
+    st = result["st"]
+    assert isinstance(st, type(a.write(mx, 0, my, 0, 0, 2)))
+    assert st.Succeeded(), st.Message()
+    assert result["done_at"] <= returned_at + 0.05
+    # ... the bytes were all there when it returned, and nothing touches them afterwards
+    assert torch.equal(snapshot, x)
+    a._native._test_direct_delay_ms(0)
+    y.zero_()
+    late = a.write(mx, 0, my, 0, 4096, 3)
+    late.Wait()
+    assert late.Code() == StatusCode.ERR_INVALID_ARGS and "not registered" in late.Message()
+    assert int(y.count_nonzero()) == 0
+
+
+def test_deregister_times_out_while_a_copy_hangs(monkeypatch: pytest.MonkeyPatch, make) -> None:
+    monkeypatch.setenv("MORI_IO_CP_TIMEOUT_MS", "300")
+    a, b, _x, _y, mx, my = _pair(make, n=4096)
+    a._native._test_direct_delay_ms(1500)
+    th = threading.Thread(target=lambda: a.write(mx, 0, my, 0, 4096, 1))
+    th.start()
+    time.sleep(0.1)
+    with pytest.raises(MoriTimeoutError, match="do not free it yet"):
+        b.deregister_memory(my)
+    th.join()
+
+
+def test_refused_attach_falls_back_to_the_target(make) -> None:
+    """The OS refuses the initiator's probe (as with EPERM): the target moves the bytes."""
+    a, b = make("a"), make("b")
+    a.register_remote_engine(b.get_engine_desc())
+    a._native._test_refuse_direct(True)  # before the first connection
+    x = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    y = torch.zeros_like(x)
+    mx, my = a.register_torch_tensor(x), b.register_torch_tensor(y)
+    st = a.write(mx, 0, my, 0, x.numel(), 1)
+    st.Wait()
+    assert st.Succeeded(), st.Message()
+    assert torch.equal(x, y)
+    c = a._counters()
+    assert c["direct_refused"] >= 1 and c["direct_copies"] == 0
+    assert b._counters()["served_cma"] > 0
+    assert a._route_name(mx, my) == "tcp+cma"
+    assert b.pop_inbound_transfer_status("a", 1) is not None
+
+
+def test_target_that_grants_no_table_is_served_the_old_way(make) -> None:
+    a, b = make("a"), make("b")
+    a.register_remote_engine(b.get_engine_desc())
+    b._native._test_refuse_cma(True)  # no grant, and target-side attach refused: the socket
+    x = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    y = torch.zeros_like(x)
+    mx, my = a.register_torch_tensor(x), b.register_torch_tensor(y)
+    st = a.read(mx, 0, my, 0, x.numel(), 1)
+    st.Wait()
+    assert st.Succeeded(), st.Message()
+    assert a._counters()["direct_copies"] == 0 and b._counters()["served_socket"] > 0
+
+
+def test_many_inbound_statuses_overflow_the_ring_and_still_arrive(make) -> None:
+    """More transfers than the slot's ring holds (4096), nobody popping: the doorbell drains it."""
+    a, b, _x, _y, mx, my = _pair(make, n=1 << 16)
+    sess = a.create_session(mx, my)
+    count = 10_000
+    for uid in range(count):
+        st = sess.write(0, 0, 64, uid)
+        assert st.WaitFor(0) and st.Succeeded(), st.Message()
+    deadline = time.monotonic() + 10
+    missing = set(range(count))
+    while missing and time.monotonic() < deadline:
+        missing = {u for u in missing if b.pop_inbound_transfer_status("a", u) is None}
+        time.sleep(0.05)
+    assert not missing, f"{len(missing)} inbound statuses never arrived"
+    assert b._counters()["inbound_pending"] == 0
+
+
+def test_notifications_off_records_nothing(make) -> None:
+    a, b, _x, _y, mx, my = _pair(make, TcpBackendConfig(enable_notification=False), n=4096)
+    st = a.write(mx, 0, my, 0, 4096, 5)
+    assert st.WaitFor(0) and st.Succeeded()
+    assert a._counters()["direct_copies"] == 1
+    assert b.pop_inbound_transfer_status("a", 5) is None
+
+
+def test_gpu_memory_is_not_published(make) -> None:
+    """Only CPU regions enter the table; others keep the target-side path (staging)."""
+    a, b = make("a"), make("b")
+    a.register_remote_engine(b.get_engine_desc())
+    for e in (a, b):  # the route needs a copier on the initiator too
+        e._native._install_test_copier()
+    x = torch.randint(0, 256, (8192,), dtype=torch.uint8)
+    y = torch.zeros_like(x)
+    mx = a.register_torch_tensor(x)
+    my = b.register_memory(y.data_ptr(), y.numel(), 0, MemoryLocationType.GPU)
+    st = a.write(mx, 0, my, 0, 8192, 1)
+    st.Wait()
+    assert st.Succeeded(), st.Message()
+    assert torch.equal(x, y) and a._counters()["direct_copies"] == 0
+
+
+# -- two processes -----------------------------------------------------------------------------
+
+
+def _put(d: Path, name: str, data: bytes) -> None:
+    (d / f"{name}.tmp").write_bytes(data)
+    (d / f"{name}.tmp").rename(d / name)
+
+
+def _get(d: Path, name: str, timeout: float = 60.0) -> bytes:
+    deadline = time.monotonic() + timeout
+    while not (d / name).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rendezvous file {name} never appeared")
+        time.sleep(0.01)
+    return (d / name).read_bytes()
+
+
+GUARD = 4096  # bytes on either side of the target's region that must never change
+
+
+def _cross(rank: int, nranks: int, d: str) -> dict[str, object]:
+    from mori.io import BackendType, IOEngine, IOEngineConfig
+
+    d_ = Path(d)
+    with IOEngine(f"p{rank}", IOEngineConfig("127.0.0.1", 0)) as e:
+        e.create_backend(BackendType.TCP, TcpBackendConfig())
+        if rank == 0:  # target: a region inside a larger allocation, guards around it
+            big = torch.zeros((1 << 20) + 2 * GUARD, dtype=torch.uint8)
+            region = big[GUARD : GUARD + (1 << 20)]
+            m = e.register_torch_tensor(region)
+            _put(d_, "target", e.get_engine_desc().pack().hex().encode() + b"|" + m.pack().hex().encode())
+            _get(d_, "wrote", 120)
+            g = torch.Generator().manual_seed(7)
+            expect = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g)
+            ok = torch.equal(region, expect)
+            guards = int(big[:GUARD].count_nonzero()) + int(big[GUARD + (1 << 20) :].count_nonzero())
+            inbound = {u: e.pop_inbound_transfer_status("p1", u) for u in (1, 2, 3)}
+            codes = {u: (int(s.Code()) if s is not None else None) for u, s in inbound.items()}
+            e.deregister_memory(m)
+            _put(d_, "deregistered", b"1")
+            _get(d_, "finished", 120)
+            after = int(big[:GUARD].count_nonzero()) + int(big[GUARD + (1 << 20) :].count_nonzero())
+            return {
+                "bytes_ok": ok,
+                "guards": guards,
+                "codes": codes,
+                "unchanged": torch.equal(region, expect),
+                "after": after,
+            }
+        desc_hex, mem_hex = _get(d_, "target").decode().split("|")
+        e.register_remote_engine(EngineDesc.unpack(bytes.fromhex(desc_hex)))
+        remote = MemoryDesc.unpack(bytes.fromhex(mem_hex))
+        g = torch.Generator().manual_seed(7)
+        src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g)
+        back = torch.zeros(1 << 20, dtype=torch.uint8)
+        ms, mb = e.register_torch_tensor(src), e.register_torch_tensor(back)
+        st = e.write(ms, 0, remote, 0, 1 << 20, 1)  # single block
+        assert st.WaitFor(0) and st.Succeeded(), st.Message()
+        offs = list(range(0, 1 << 20, 8192))
+        (bst,) = e.batch_read([mb], [offs], [remote], [offs], [[4096] * len(offs)], [2])  # batch
+        assert bst.WaitFor(0) and bst.Succeeded(), bst.Message()
+        for o in offs:
+            assert torch.equal(back[o : o + 4096], src[o : o + 4096])
+        forged = MemoryDesc(**{**remote.__dict__, "size": remote.size + 2 * GUARD})
+        bad = e.write(ms, 0, forged, (1 << 20) - 16, 64, 3)  # would spill into the guard
+        assert bad.WaitFor(0) and bad.Code() == StatusCode.ERR_INVALID_ARGS, bad.Message()
+        assert "per its own registration table" in bad.Message()
+        counters = e._counters()
+        _put(d_, "wrote", b"1")
+        _get(d_, "deregistered", 120)
+        late = e.write(ms, 0, remote, 0, 4096, 4)
+        late.Wait()
+        _put(d_, "finished", b"1")
+        return {"direct": counters["direct_copies"], "late": int(late.Code()), "late_msg": late.Message()}
+
+
+def test_two_processes_direct_path(tmp_path: Path) -> None:
+    target, initiator = run_ranks(_cross, 2, str(tmp_path), timeout=180)
+    if initiator["direct"] == 0:
+        pytest.skip("the OS refuses cross-memory attach between these processes (ptrace scope)")
+    assert initiator["direct"] == 2
+    assert target["bytes_ok"] and target["guards"] == 0
+    assert target["codes"] == {1: 0, 2: 0, 3: int(StatusCode.ERR_INVALID_ARGS)}
+    # after deregistration the initiator reaches nothing: the target's table no longer has it
+    assert initiator["late"] == int(StatusCode.ERR_INVALID_ARGS) and "not registered" in initiator["late_msg"]
+    assert target["unchanged"] and target["after"] == 0
+
+
+_VICTIM = """
+import sys, time, torch
+from mori.io import BackendType, IOEngine, IOEngineConfig
+e = IOEngine("victim", IOEngineConfig("127.0.0.1", 0))
+e.create_backend(BackendType.TCP)
+buf = torch.zeros(8 << 20, dtype=torch.uint8)
+m = e.register_torch_tensor(buf)
+print(e.get_engine_desc().pack().hex(), m.pack().hex(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_killed_target_fails_direct_transfers(monkeypatch: pytest.MonkeyPatch, make) -> None:
+    monkeypatch.setenv("MORI_IO_CP_TIMEOUT_MS", "1500")
+    proc = subprocess.Popen([sys.executable, "-c", _VICTIM], stdout=subprocess.PIPE, text=True)
+    try:
+        desc_hex, mem_hex = proc.stdout.readline().split()
+        a = make("survivor")
+        a.register_remote_engine(EngineDesc.unpack(bytes.fromhex(desc_hex)))
+        remote = MemoryDesc.unpack(bytes.fromhex(mem_hex))
+        x = torch.ones(8 << 20, dtype=torch.uint8)
+        mx = a.register_torch_tensor(x)
+        st = a.write(mx, 0, remote, 0, 8 << 20, 1)
+        st.Wait()
+        assert st.Succeeded(), st.Message()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        after = a.write(mx, 0, remote, 0, 4096, 2)
+        assert after.WaitFor(20_000), "a transfer to a dead peer hangs"
+        assert after.Code() == StatusCode.ERR_BAD_STATE and "victim" in after.Message(), after.Message()
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        proc.stdout.close()
