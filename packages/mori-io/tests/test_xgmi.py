@@ -745,6 +745,10 @@ def test_kernel_launches_after_the_first_skip_the_triton_binder(
     backend._launch_kernel(9, table, 3, 2, 8)  # type: ignore[arg-type]
     backend._launch_kernel(9, table, 3, 2, 8)  # type: ignore[arg-type]
     assert len(jit_calls) == 4 and not backend._launchers
+    backend.fast_launch = False  # the switch: a compiled kernel, still every launch through Triton
+    monkeypatch.setattr(backend, "_launch_jit", launch_jit)
+    backend._launch_kernel(9, table, 3, 2, 8)  # type: ignore[arg-type]
+    assert len(jit_calls) == 5 and not backend._launchers
     backend.close()
 
 

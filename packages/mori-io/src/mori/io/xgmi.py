@@ -495,6 +495,9 @@ class XgmiBackend:
     preference = 100
     #: post() checks every block against both regions itself (the engine may skip its per-block checks)
     checks_ranges = True
+    #: launch the kernel through the compiled kernel's launcher after the first launch (False: every
+    #: launch through Triton's JITFunction, for comparison or if a Triton version changes the call)
+    fast_launch = True
 
     def __init__(
         self, key: str, node_id: str, runtime: GpuRuntime, num_streams: int = 64, num_events: int = 64
@@ -571,7 +574,7 @@ class XgmiBackend:
             fast(n, split, stream, table.device, n, split, word, DEFAULT_BLOCK)
             return
         kernel = self._launch_jit(stream, table, n, split, word)
-        if _FastLaunch.usable(kernel):
+        if self.fast_launch and _FastLaunch.usable(kernel):
             self._launchers[word] = _FastLaunch(kernel)
 
     def _launch_jit(self, stream: int, table: _Table, n: int, split: int, word: int) -> Any:
