@@ -429,6 +429,8 @@ struct Direct {
 // A few threads that copy pieces of one large direct transfer while the posting thread copies
 // the first piece. After a piece a worker spins briefly before sleeping: stop-and-wait transfers
 // come back to back, and a futex wake-up costs more than the spin.
+constexpr int64_t kPoolSpinUs = 200;  // waking an idle (v)CPU through a futex costs tens of microseconds
+
 class CopyPool {
  public:
   explicit CopyPool(int workers) {
@@ -459,7 +461,7 @@ class CopyPool {
  private:
   void loop() {
     for (;;) {
-      auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(100);
+      auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(kPoolSpinUs);
       while (queued_.load(std::memory_order_acquire) == 0 && !stop_.load() &&
              std::chrono::steady_clock::now() < spin_until)
         std::this_thread::yield();
