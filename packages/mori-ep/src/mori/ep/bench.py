@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 from mori.core import bench
 from mori.core.bench import BenchSuite
+from mori.core.env import EnvVar
 from mori.core.errors import bad_value
 from mori.core.plugins import hookimpl
 
@@ -108,6 +109,13 @@ FP8_WIRE_TOL = 1e-1
 @hookimpl
 def mori_bench_suites() -> Sequence[BenchSuite]:
     return [BenchSuite("ep", __doc__.splitlines()[0] if __doc__ else "", add_arguments, run)]
+
+
+@hookimpl
+def mori_env_vars() -> Sequence[EnvVar[Any]]:
+    from mori.ep import tuning
+
+    return [tuning.MORI_EP_LAUNCH_CONFIG_MODE, tuning.MORI_EP_TUNING_CONFIG, tuning.MORI_EP_PUSH_CHUNK]
 
 
 def _int_list(text: str) -> list[int]:

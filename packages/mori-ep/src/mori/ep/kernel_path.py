@@ -107,10 +107,9 @@ class KernelPath:
         self.resident_programs = (
             torch.cuda.get_device_properties(dev).multi_processor_count if self.is_gpu else 1
         )
-        #: tokens per chunk of the push combine: the same on every rank (a rank flags a chunk to
-        #: a peer, which reduces it), about one chunk per SM and call of M tokens, at most 16
-        self.push_chunk = min(16, _pow2_at_most(max(1, m // self.resident_programs)))
-        self.push_flags = shmem.mori_shmem_create_tensor((w, -(-m // self.push_chunk)), torch.int64)
+        #: push combine: flag[p, c] = the epoch once rank p's rows of chunk c are here (room for
+        #: chunks of one token)
+        self.push_flags = shmem.mori_shmem_create_tensor((w, m), torch.int64)
         self.push_flags.zero_()
         op._symm.append(self.push_flags)
         # Triton's num_warps is a power of two; AMD wavefronts are 64 wide, so at most 16 there
@@ -305,8 +304,10 @@ class KernelPath:
         if phases == kern.STAGE | kern.REDUCE:
             # a chunk's reduction waits for the peers' pushes of it: every program must be resident
             grid = min(grid, self.resident_programs)
-        ct = self.push_chunk
-        tile = TileConfig.for_row(h, tile_elems, n_tok, grid)
+        ct = self._push_chunk(block_num, warp_per_block, input.dtype)
+        bt = min(ct, TileConfig.for_row(h, tile_elems, n_tok, grid).rows)
+        # few rows per step: longer column blocks keep as many bytes in flight per program
+        block = min(_pow2_at_least(max(h, nb // word)), max(2048, tile_elems // bt), 8192)
         dest_slot = routing.dest_slot if routing is not None else self.dest_slot
         wts = weights.contiguous() if weights is not None else self.comb_w  # unused when HAS_W=0
         kern.combine_push_kernel[(grid,)](
@@ -324,7 +325,7 @@ class KernelPath:
             stage_typed.stride(0),
             op._stage_w,
             self.push_flags,
-            self.push_flags.shape[1],
+            -(-m // ct),
             out,
             out_w if out_w is not None else self.comb_w,
             self.ctrl,
@@ -340,10 +341,23 @@ class KernelPath:
             DO_PUSH=bool(phases & kern.STAGE),
             DO_REDUCE=bool(phases & kern.REDUCE),
             CT=ct,
-            BT=min(ct, tile.rows),
-            BLOCK=tile.block,
+            BT=bt,
+            BLOCK=block,
             num_warps=warps,
         )
+
+    def _push_chunk(self, block_num: int, warp_per_block: int, dtype: torch.dtype) -> int:
+        """Tokens per chunk of the push combine. Every rank must use the same (a rank flags a
+        chunk to a peer, which reduces the same chunk), so it depends on the call's arguments and
+        the config, not on this rank's token count: the geometry planned for M tokens. About six
+        chunks per program, at most 16 tokens: on 2 x H200, EP2, 4096 tokens, the best of 2, 4, 8
+        and 16 was 16 at 24 programs and 4 at 132 (docs/benchmarks/ep.md)."""
+        chunk = tuning.MORI_EP_PUSH_CHUNK.get()
+        if chunk:
+            return chunk
+        m = self.op._m
+        planned, _w, _t = self._geometry("combine", block_num, warp_per_block, dtype, m, False)
+        return min(16, _pow2_at_most(max(1, m // (6 * min(planned, self.resident_programs)))))
 
     def _combine_gather(
         self,

@@ -732,6 +732,140 @@ def _combine_push_variants() -> list[dict[str, Any]]:
     return out
 
 
+@device_function
+@triton.jit
+def _push_chunk(
+    c,
+    inp_ptr,
+    inp_stride,
+    w_ptr,
+    n_inp_rows,
+    recv_slot_ptr,
+    stage_ptr,
+    stage_row_words,
+    stage_w_ptr,
+    ctx_ptr,
+    row_words,
+    M,
+    W: tl.constexpr,
+    K: tl.constexpr,
+    K_P2: tl.constexpr,
+    HAS_W: tl.constexpr,
+    CT: tl.constexpr,
+    BT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # every peer's rows of chunk c: from this rank's input to the peer's staging at [me, t]
+    me = shd.my_pe(ctx_ptr)
+    ks = tl.arange(0, K_P2)
+    cols0 = tl.arange(0, BLOCK)
+    for p in tl.static_range(W):
+        if p != me:
+            for b in tl.static_range(CT // BT):
+                toks = c * CT + b * BT + tl.arange(0, BT)
+                row = tl.load(recv_slot_ptr + p * M + toks, mask=toks < M, other=-1)
+                ok = (row >= 0) & (row < n_inp_rows)
+                row64 = row.to(tl.int64)
+                dst_row = shd.ptr_p2p(stage_ptr, p, ctx_ptr) + (me * M + toks).to(tl.int64) * stage_row_words
+                col = 0
+                while col < row_words:
+                    cols = col + cols0
+                    m = ok[:, None] & (cols < row_words)[None, :]
+                    data = tl.load(inp_ptr + row64[:, None] * inp_stride + cols[None, :], mask=m)
+                    tl.store(dst_row[:, None] + cols[None, :], data, mask=m)
+                    col += BLOCK
+                if HAS_W:
+                    mk = ok[:, None] & (ks < K)[None, :]
+                    wts = tl.load(w_ptr + row64[:, None] * K + ks[None, :], mask=mk)
+                    dst_w = shd.ptr_p2p(stage_w_ptr, p, ctx_ptr) + (me * M + toks)[:, None] * K
+                    tl.store(dst_w + ks[None, :], wts, mask=mk)
+
+
+@device_function
+@triton.jit
+def _reduce_chunk(
+    c,
+    epoch,
+    own_ptr,
+    own_stride,
+    w_ptr,
+    n_inp_rows,
+    dest_slot_ptr,
+    stage_typed_ptr,
+    stage_row_elems,
+    stage_w_ptr,
+    flag_ptr,
+    n_chunks,
+    out_ptr,
+    out_w_ptr,
+    ctx_ptr,
+    n_tok,
+    h,
+    M,
+    W: tl.constexpr,
+    K: tl.constexpr,
+    K_P2: tl.constexpr,
+    HAS_W: tl.constexpr,
+    CT: tl.constexpr,
+    BT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # wait for the peers holding one of chunk c's tokens, then sum own rows and staged rows
+    me = shd.my_pe(ctx_ptr)
+    ks = tl.arange(0, K_P2)
+    cols0 = tl.arange(0, BLOCK)
+    for p in tl.static_range(W):
+        if p != me:
+            toks = c * CT + tl.arange(0, CT)
+            sent = tl.load(dest_slot_ptr + p * M + toks, mask=toks < n_tok, other=-1)
+            if tl.max(sent, axis=0) >= 0:
+                shd.wait_until(flag_ptr + p * n_chunks + c, shd.SHMEM_CMP_GE, epoch)
+    for b in tl.static_range(CT // BT):
+        toks = c * CT + b * BT + tl.arange(0, BT)
+        tmask = toks < n_tok
+        col = 0
+        while col < h:
+            cols = col + cols0
+            cm = cols < h
+            acc = tl.zeros([BT, BLOCK], dtype=tl.float32)
+            for p in tl.static_range(W):
+                slot = tl.load(dest_slot_ptr + p * M + toks, mask=tmask, other=-1)
+                if p == me:
+                    m = ((slot >= 0) & (slot < n_inp_rows))[:, None] & cm[None, :]
+                    src = own_ptr + slot.to(tl.int64)[:, None] * own_stride
+                else:
+                    m = (slot >= 0)[:, None] & cm[None, :]
+                    src = stage_typed_ptr + (p * M + toks).to(tl.int64)[:, None] * stage_row_elems
+                acc += tl.load(src + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            out = out_ptr + toks.to(tl.int64)[:, None] * h + cols[None, :]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & cm[None, :])
+            col += BLOCK
+        if HAS_W:
+            mk = tmask[:, None] & (ks < K)[None, :]
+            acc_w = tl.zeros([BT, K_P2], dtype=tl.float32)
+            for p in tl.static_range(W):
+                slot = tl.load(dest_slot_ptr + p * M + toks, mask=tmask, other=-1)
+                if p == me:
+                    src_w = w_ptr + slot[:, None] * K
+                    mw = mk & ((slot >= 0) & (slot < n_inp_rows))[:, None]
+                else:
+                    src_w = stage_w_ptr + (p * M + toks)[:, None] * K
+                    mw = mk & (slot >= 0)[:, None]
+                acc_w += tl.load(src_w + ks[None, :], mask=mw, other=0.0)
+            tl.store(out_w_ptr + toks[:, None] * K + ks[None, :], acc_w, mask=mk)
+
+
+@device_function
+@triton.jit
+def _flag_chunk(c, epoch, flag_ptr, n_chunks, ctx_ptr, W: tl.constexpr):
+    # this program's stores of chunk c reach every peer before the peer sees the flag
+    me = shd.my_pe(ctx_ptr)
+    shd.fence(ctx_ptr)
+    for p in tl.static_range(W):
+        if p != me:
+            shd.signal_op(flag_ptr + me * n_chunks + c, epoch, shd.SIGNAL_SET, p, ctx_ptr)
+
+
 @aot_variants(_combine_push_variants())
 @triton.jit
 def combine_push_kernel(
@@ -791,87 +925,96 @@ def combine_push_kernel(
     may alternate on one operator.
     """
     _rd, _dd, _rc, DONE_C, _s, _ed, EPOCH_C, _td, TICKET_C = _ctrl_offsets(W)
-    pid = tl.program_id(0)
-    me = shd.my_pe(ctx_ptr)
-    offs = tl.arange(0, BT)
-    ks = tl.arange(0, K_P2)
-    kmask = ks < K
-    cols0 = tl.arange(0, BLOCK)
+    step = tl.num_programs(0)
     if DO_PUSH:
         epoch = tl.load(ctrl_ptr + EPOCH_C) + 1
     else:  # advanced by the last program of the PUSH launch
         epoch = tl.load(ctrl_ptr + EPOCH_C)
-    c = pid
+    # software pipeline: chunk c + step is pushed (its NVLink stores in flight) while chunk c is
+    # reduced, then fenced and flagged. A peer flags c only after reducing c - step, which waited
+    # for this rank's flag of c - step: the chain starts with every program's first push.
+    c = tl.program_id(0)
+    if DO_PUSH:  # noqa: SIM102  (a constexpr and a tensor: Triton takes no `and` here)
+        if c < n_chunks:
+            _push_chunk(
+                c,
+                inp_ptr,
+                inp_stride,
+                w_ptr,
+                n_inp_rows,
+                recv_slot_ptr,
+                stage_ptr,
+                stage_row_words,
+                stage_w_ptr,
+                ctx_ptr,
+                row_words,
+                M,
+                W,
+                K,
+                K_P2,
+                HAS_W,
+                CT,
+                BT,
+                BLOCK,
+            )
+            _flag_chunk(c, epoch, flag_ptr, n_chunks, ctx_ptr, W)
     while c < n_chunks:
-        if DO_PUSH:
-            for p in tl.static_range(W):
-                if p != me:
-                    for b in tl.static_range(CT // BT):
-                        toks = c * CT + b * BT + offs
-                        row = tl.load(recv_slot_ptr + p * M + toks, mask=toks < M, other=-1)
-                        ok = (row >= 0) & (row < n_inp_rows)
-                        row64 = row.to(tl.int64)
-                        col = 0
-                        while col < row_words:
-                            cols = col + cols0
-                            m = ok[:, None] & (cols < row_words)[None, :]
-                            data = tl.load(inp_ptr + row64[:, None] * inp_stride + cols[None, :], mask=m)
-                            dst_row = (
-                                shd.ptr_p2p(stage_ptr, p, ctx_ptr)
-                                + (me * M + toks).to(tl.int64)[:, None] * stage_row_words
-                            )
-                            tl.store(dst_row + cols[None, :], data, mask=m)
-                            col += BLOCK
-                        if HAS_W:
-                            mk = ok[:, None] & kmask[None, :]
-                            wts = tl.load(w_ptr + row64[:, None] * K + ks[None, :], mask=mk)
-                            dst_w = shd.ptr_p2p(stage_w_ptr, p, ctx_ptr) + (me * M + toks)[:, None] * K
-                            tl.store(dst_w + ks[None, :], wts, mask=mk)
-            shd.fence(ctx_ptr)
-            for p in tl.static_range(W):
-                if p != me:
-                    shd.signal_op(flag_ptr + me * n_chunks + c, epoch, shd.SIGNAL_SET, p, ctx_ptr)
+        nxt = c + step
+        if DO_PUSH:  # noqa: SIM102
+            if nxt < n_chunks:
+                _push_chunk(
+                    nxt,
+                    inp_ptr,
+                    inp_stride,
+                    w_ptr,
+                    n_inp_rows,
+                    recv_slot_ptr,
+                    stage_ptr,
+                    stage_row_words,
+                    stage_w_ptr,
+                    ctx_ptr,
+                    row_words,
+                    M,
+                    W,
+                    K,
+                    K_P2,
+                    HAS_W,
+                    CT,
+                    BT,
+                    BLOCK,
+                )
         if DO_REDUCE:
-            for p in tl.static_range(W):
-                if p != me:
-                    toks = c * CT + tl.arange(0, CT)
-                    sent = tl.load(dest_slot_ptr + p * M + toks, mask=toks < n_tok, other=-1)
-                    if tl.max(sent, axis=0) >= 0:
-                        shd.wait_until(flag_ptr + p * n_chunks + c, shd.SHMEM_CMP_GE, epoch)
-            for b in tl.static_range(CT // BT):
-                toks = c * CT + b * BT + offs
-                tmask = toks < n_tok
-                col = 0
-                while col < h:
-                    cols = col + cols0
-                    cm = cols < h
-                    acc = tl.zeros([BT, BLOCK], dtype=tl.float32)
-                    for p in tl.static_range(W):
-                        slot = tl.load(dest_slot_ptr + p * M + toks, mask=tmask, other=-1)
-                        if p == me:
-                            m = ((slot >= 0) & (slot < n_inp_rows))[:, None] & cm[None, :]
-                            src = own_ptr + slot.to(tl.int64)[:, None] * own_stride
-                        else:
-                            m = (slot >= 0)[:, None] & cm[None, :]
-                            src = stage_typed_ptr + (p * M + toks).to(tl.int64)[:, None] * stage_row_elems
-                        acc += tl.load(src + cols[None, :], mask=m, other=0.0).to(tl.float32)
-                    out = out_ptr + toks.to(tl.int64)[:, None] * h + cols[None, :]
-                    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & cm[None, :])
-                    col += BLOCK
-                if HAS_W:
-                    mk = tmask[:, None] & kmask[None, :]
-                    acc_w = tl.zeros([BT, K_P2], dtype=tl.float32)
-                    for p in tl.static_range(W):
-                        slot = tl.load(dest_slot_ptr + p * M + toks, mask=tmask, other=-1)
-                        if p == me:
-                            src_w = w_ptr + slot[:, None] * K
-                            mw = mk & ((slot >= 0) & (slot < n_inp_rows))[:, None]
-                        else:
-                            src_w = stage_w_ptr + (p * M + toks)[:, None] * K
-                            mw = mk & (slot >= 0)[:, None]
-                        acc_w += tl.load(src_w + ks[None, :], mask=mw, other=0.0)
-                    tl.store(out_w_ptr + toks[:, None] * K + ks[None, :], acc_w, mask=mk)
-        c += tl.num_programs(0)
+            _reduce_chunk(
+                c,
+                epoch,
+                own_ptr,
+                own_stride,
+                w_ptr,
+                n_inp_rows,
+                dest_slot_ptr,
+                stage_typed_ptr,
+                stage_row_elems,
+                stage_w_ptr,
+                flag_ptr,
+                n_chunks,
+                out_ptr,
+                out_w_ptr,
+                ctx_ptr,
+                n_tok,
+                h,
+                M,
+                W,
+                K,
+                K_P2,
+                HAS_W,
+                CT,
+                BT,
+                BLOCK,
+            )
+        if DO_PUSH:  # noqa: SIM102
+            if nxt < n_chunks:
+                _flag_chunk(nxt, epoch, flag_ptr, n_chunks, ctx_ptr, W)
+        c = nxt
     if DO_PUSH:
         _finish(ctrl_ptr, TICKET_C, EPOCH_C, DONE_C, epoch, ctx_ptr, W)
     if DO_REDUCE:

@@ -25,6 +25,7 @@ from mori.core.errors import MoriValueError
 __all__ = [
     "DEFAULT_TILE_ELEMS",
     "MORI_EP_LAUNCH_CONFIG_MODE",
+    "MORI_EP_PUSH_CHUNK",
     "MORI_EP_TUNING_CONFIG",
     "LaunchRule",
     "lookup",
@@ -46,6 +47,25 @@ MORI_EP_TUNING_CONFIG = EnvVar(
     "/path/to/sm90_H200_IntraNode_ep2_dispatch.json",
     str,
     "a path",
+)
+
+
+def _push_chunk(text: str) -> int:
+    n = int(text)
+    if n < 1 or n > 64 or n & (n - 1):
+        raise ValueError(text)
+    return n
+
+
+MORI_EP_PUSH_CHUNK = EnvVar(
+    "MORI_EP_PUSH_CHUNK",
+    None,
+    "Tokens per chunk of the push combine (ordinary combine input on GPUs): a rank flags each chunk "
+    "to its peers once its rows are there. Default: about 6 chunks per program of "
+    "max_num_inp_token_per_rank tokens, at most 16. Must be the same on every rank.",
+    "4",
+    _push_chunk,
+    "a power of two from 1 to 64",
 )
 
 #: elements of one program's tile by phase when no table says otherwise (measured on H200)
