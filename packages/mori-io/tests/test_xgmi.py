@@ -11,6 +11,7 @@ import ctypes
 import os
 import random
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -665,6 +666,33 @@ def test_wait_completes_the_status_in_the_calling_thread(node: Node, sg: ModuleT
         x.Wait()
         assert x.Succeeded()
     assert len(a.backend._free_events) <= a.backend.num_events
+    a.backend.close()
+    b.backend.close()
+
+
+def test_wait_blocks_while_the_completion_thread_completes_the_status(node: Node, sg: ModuleType) -> None:
+    # Wait() of a transfer the completion thread owns must block until the thread completes it
+    a = make_side(node, sg, "a", 1000)
+    b = make_side(node, sg, "b", 1001)
+    connect(a, b)
+
+    class Nowhere:
+        def put(self, item: Any) -> None:
+            pass
+
+    real_queue, a.backend._queue = a.backend._queue, Nowhere()  # type: ignore[assignment]
+    st = a.backend.post("write", a.desc, [0], b.desc, [64], [16], 1)
+    p = st._xgmi[1]
+    assert a.backend._claim(p, xgmi._THREAD)  # as if the completion thread had taken it
+    returned = threading.Event()
+    waiter = threading.Thread(target=lambda: (st.Wait(), returned.set()))
+    waiter.start()
+    assert not returned.wait(0.2) and st.InProgress(), "Wait() returned before the status completed"
+    assert not st.WaitFor(10)
+    a.backend._finish(p, *a.backend._sync(a.backend._dev, p))  # what the thread does
+    assert returned.wait(5) and st.Succeeded()
+    waiter.join()
+    a.backend._queue = real_queue
     a.backend.close()
     b.backend.close()
 

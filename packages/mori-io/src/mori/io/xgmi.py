@@ -436,16 +436,17 @@ def status_class() -> Any:
 
         def Wait(self) -> None:
             p = self._xgmi
-            if p is not None and p[0]._wait(p[1], -1) < 0:
+            if p is not None and p[0]._wait(p[1], -1) is None:
                 return  # completed here (the native wait would only hand the GIL around)
-            base_wait(self)
+            base_wait(self)  # the completion thread completes it
 
         def WaitFor(self, timeout_ms: int) -> bool:
             p = self._xgmi
             if p is not None and type(timeout_ms) is int:
-                timeout_ms = p[0]._wait(p[1], timeout_ms)
-                if timeout_ms < 0:
+                left = p[0]._wait(p[1], timeout_ms)
+                if left is None:
                     return True
+                timeout_ms = left
             return bool(base_wait_for(self, timeout_ms))
 
     XgmiTransferStatus.__module__ = __name__
@@ -963,16 +964,17 @@ class XgmiBackend:
             self._pending.discard(p)
             self._idle.notify_all()
 
-    def _wait(self, p: _Pending, timeout_ms: int) -> int:
-        """``Wait()``/``WaitFor(timeout_ms)`` of ``p``'s status in the calling thread: waits for
-        the events and completes the status here, unless the completion thread already does.
-        Returns -1 if this call completed the status, else the milliseconds left for the
-        status's own (native) wait: ``timeout_ms`` when another completes it, 0 on timeout."""
+    def _wait(self, p: _Pending, timeout_ms: int) -> int | None:
+        """``Wait()`` (``timeout_ms`` < 0) / ``WaitFor(timeout_ms)`` of ``p``'s status in the
+        calling thread: waits for the events and completes the status here, unless the completion
+        thread already does. Returns None if this call completed the status, else the
+        milliseconds left for the status's own (native) wait: ``timeout_ms`` (-1: no limit) when
+        another completes it, 0 on timeout."""
         st = self._dev
         if timeout_ms < 0:
             if self._claim(p, _WAITER):
                 self._finish(p, *self._sync(st, p))
-                return -1
+                return None
             return timeout_ms
         # bounded: poll the events (no blocking driver call that could outlast the timeout)
         drv = st.drv
@@ -996,7 +998,7 @@ class XgmiBackend:
                 if ready:
                     if self._claim(p, _WAITER):
                         self._finish(p, code, message)
-                        return -1
+                        return None
                     return max(0, int((deadline - clock()) * 1000))
                 now = clock()
                 if now >= deadline:
