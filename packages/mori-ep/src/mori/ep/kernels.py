@@ -26,18 +26,24 @@ programs one after another.
 
 ``dispatch_recv_kernel`` (one program) is step 5 alone, for ``AsyncLL``'s ``dispatch_recv``.
 
-``combine_kernel`` (grid = SM budget), push then reduce (one launch on a GPU; two, ``PUSH`` then
-``REDUCE``, under the interpreter or for ``AsyncLL``): the same handshake (``READY_C``), then
-every received row from another rank goes back to its source rank's staging buffer at
-``[this rank, source token]``; fence, ticket, ``DONE_C``. Then, once every peer's ``DONE_C`` is
-there, each program sums in fp32, for each of its tokens, the rows of the ranks it was sent to
-(``dest_slot >= 0``): staged rows for peers, its own rows straight from the combine input (they
-never move), and casts once to the output dtype.
+``combine_kernel`` (grid = SM budget) gathers: the rows peers will read are in the registered
+combine input (zero-copy, or copied / fp8-quantised there first), the last program says so
+(``DONE_C``); then each program sums, for each of its tokens, the rows of the ranks it was sent to,
+read over NVLink / xGMI from the peers' registered buffers (its own from its input). One launch on
+a GPU; STAGE and REDUCE launches under the interpreter and for AsyncLL.
+
+``combine_push_kernel`` (grid = SM budget), for any other input: each rank stores the rows it holds
+for a peer's tokens straight into that peer's staging at ``[this rank, token]``, chunk by chunk
+in the peer's token order (``recv_slot``, written by every dispatch), with one flag per chunk;
+each program reduces its chunks as the flags arrive, pushing its next chunk meanwhile.
+
+Both combines end with ``READY_C``: the last program tells every peer "I have read what you
+published" and waits until every peer said the same, so the next combine may overwrite it.
 
 Epochs live in the control words on the device, so the kernels take no per-call host value: a
 CUDA graph of them replays correctly. Control words (int64, symmetric, ``W`` = world size):
 ``[0, W)`` READY_D, ``[W, 2W)`` DONE_D, ``[2W, 3W)`` READY_C, ``[3W, 4W)`` DONE_C, then SLOT,
-EPOCH_D, EPOCH_C, TICKET_D, TICKET_C (local words).
+EPOCH_D, EPOCH_C, TICKET_D, TICKET_C and the combine's read ticket (local words).
 
 Token rows travel as words (int32, int16 or uint8, the widest that the row size allows), so one
 kernel serves every dtype of the same width class; combine's reduction reads them typed.
