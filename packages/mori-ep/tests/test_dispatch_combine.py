@@ -178,6 +178,8 @@ def _round(
 def _scenarios(rank: int, world: int, impl: str = "host", rounds: int = 10) -> None:
     # random routing with sentinels and scales, `rounds` calls in a row on one op, bf16
     op = _op(impl, rank, world)
+    if impl == "triton":  # interpreter: one resident program, M = 16 -> chunks of 2 tokens: push
+        assert op._kern is not None and op._kern._push_chunk(-1, -1, torch.bfloat16) == 2
     for it in range(rounds):
         _round(op, it, "random", torch.bfloat16, torch.bfloat16)
     # other patterns, other dtypes, cross-dtype combine, no scales
@@ -551,6 +553,17 @@ GPU_CONFIGS = [
 @pytest.mark.parametrize(("nranks", "gpus"), GPU_CONFIGS)
 def test_gpu_scenarios(nranks: int, gpus: int) -> None:
     _on_gpus(_scenarios, nranks, gpus)
+
+
+@pytest.mark.cuda
+def test_gpu_scenarios_push_combine_small_chunks() -> None:
+    # the suite's M = 16 tokens gives chunks under 2 tokens on a GPU: the ordinary combine gathers;
+    # MORI_EP_PUSH_CHUNK forces the push (the interpreter tests push by default)
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    env = {"MORI_DEVICE_RUNTIME": "cuda", "MORI_SHMEM_HEAP_SIZE": "512M", "MORI_TEST_GPUS": "2"}
+    env["MORI_EP_PUSH_CHUNK"] = "2"
+    shmem_ranks(_scenarios, 2, "auto", env=env, timeout=300, before_init=_gpu_rank_device)
 
 
 @pytest.mark.cuda

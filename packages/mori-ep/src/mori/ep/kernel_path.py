@@ -267,9 +267,20 @@ class KernelPath:
         op = self.op
         zero_copy = input.data_ptr() == op._comb_inp.data_ptr()
         recv_slot = self.recv_slot if routing is None else routing.recv_slot
-        if not zero_copy and self.quant == 0 and recv_slot is not None:
+        chunk = self._push_chunk(block_num, warp_per_block, input.dtype)
+        if not zero_copy and self.quant == 0 and recv_slot is not None and chunk:
             self._combine_push(
-                input, weights, out, out_w, n_tok, routing, recv_slot, block_num, warp_per_block, phases
+                input,
+                weights,
+                out,
+                out_w,
+                n_tok,
+                routing,
+                recv_slot,
+                chunk,
+                block_num,
+                warp_per_block,
+                phases,
             )
         else:
             self._combine_gather(
@@ -285,6 +296,7 @@ class KernelPath:
         n_tok: int,
         routing: EpDispatchRoutingHandle | None,
         recv_slot: torch.Tensor,
+        ct: int,
         block_num: int,
         warp_per_block: int,
         phases: int,
@@ -304,7 +316,6 @@ class KernelPath:
         if phases == kern.STAGE | kern.REDUCE:
             # a chunk's reduction waits for the peers' pushes of it: every program must be resident
             grid = min(grid, self.resident_programs)
-        ct = self._push_chunk(block_num, warp_per_block, input.dtype)
         bt = min(ct, TileConfig.for_row(h, tile_elems, n_tok, grid).rows)
         # few rows per step: longer column blocks keep as many bytes in flight per program
         block = min(_pow2_at_least(max(h, nb // word)), max(2048, tile_elems // bt), 8192)
@@ -346,18 +357,23 @@ class KernelPath:
             num_warps=warps,
         )
 
-    def _push_chunk(self, block_num: int, warp_per_block: int, dtype: torch.dtype) -> int:
-        """Tokens per chunk of the push combine. Every rank must use the same (a rank flags a
-        chunk to a peer, which reduces the same chunk), so it depends on the call's arguments and
-        the config, not on this rank's token count: the geometry planned for M tokens. About six
-        chunks per program, at most 16 tokens: on 2 x H200, EP2, 4096 tokens, the best of 2, 4, 8
-        and 16 was 16 at 24 programs and 4 at 132 (docs/benchmarks/ep.md)."""
+    def _push_chunk(self, block_num: int, warp_per_block: int, dtype: torch.dtype) -> int | None:
+        """Tokens per chunk of the push combine, or None: gather (with a copy) instead.
+
+        Every rank must decide alike (a rank flags a chunk to a peer, which reduces the same
+        chunk), so this depends on the call's arguments and the config, not on this rank's token
+        count: the geometry planned for M tokens, about six chunks per program, at most 16 tokens.
+        On 2 x H200, EP2: at 4096 tokens the best of 2, 4, 8 and 16 was 16 at 24 programs and 4
+        at 132; at 128 tokens (one chunk of one token per program, nothing to overlap) the gather
+        with a copy was faster. So below two tokens per chunk the gather is used.
+        ``MORI_EP_PUSH_CHUNK`` forces the push with its chunk."""
         chunk = tuning.MORI_EP_PUSH_CHUNK.get()
         if chunk:
             return chunk
         m = self.op._m
         planned, _w, _t = self._geometry("combine", block_num, warp_per_block, dtype, m, False)
-        return min(16, _pow2_at_most(max(1, m // (6 * min(planned, self.resident_programs)))))
+        chunk = min(16, _pow2_at_most(max(1, m // (6 * min(planned, self.resident_programs)))))
+        return chunk if chunk >= 2 else None
 
     def _combine_gather(
         self,

@@ -62,7 +62,8 @@ MORI_EP_PUSH_CHUNK = EnvVar(
     None,
     "Tokens per chunk of the push combine (ordinary combine input on GPUs): a rank flags each chunk "
     "to its peers once its rows are there. Default: about 6 chunks per program of "
-    "max_num_inp_token_per_rank tokens, at most 16. Must be the same on every rank.",
+    "max_num_inp_token_per_rank tokens, at most 16, and the gather combine when that is under 2. "
+    "Setting it forces the push. Must be the same on every rank.",
     "4",
     _push_chunk,
     "a power of two from 1 to 64",
