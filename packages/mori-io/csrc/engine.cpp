@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <stdexcept>
@@ -1039,7 +1040,56 @@ TcpConfig Engine::tcp_config() {
   return tcp_;
 }
 
+namespace {
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25  // Linux >= 6.1
+#endif
+constexpr uintptr_t kHugePage = uintptr_t(2) << 20;
+constexpr uint64_t kCollapseMaxDefault = uint64_t(1) << 30;
+
+// MORI_IO_THP=0 turns huge pages for registered CPU memory off; MORI_IO_THP_COLLAPSE_BYTES caps
+// the regions collapsed at registration (default 1 GiB: collapsing costs ~3 ms per MiB here).
+bool thp_wanted() {
+  static const bool v = [] {
+    const char* e = std::getenv("MORI_IO_THP");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return v;
+}
+
+uint64_t thp_collapse_max() {
+  static const uint64_t v = [] {
+    const char* e = std::getenv("MORI_IO_THP_COLLAPSE_BYTES");
+    return e ? uint64_t(std::strtoull(e, nullptr, 10)) : kCollapseMaxDefault;
+  }();
+  return v;
+}
+
+// Backs the 2 MiB-aligned interior of registered CPU memory with transparent huge pages: the
+// same-host path's process_vm_readv/writev pins the target's pages one page-table lock per 4 KiB
+// page otherwise (measured here: 512 KiB in 24 us on 4 KiB pages, 16 us on huge pages), and two
+// threads copying halves of one transfer contend on that lock (512 KiB cut in two: 53 us).
+// MADV_HUGEPAGE marks the range (later faults get huge pages); MADV_COLLAPSE moves what is already
+// there onto huge pages. Neither changes a byte of the contents: the kernel copies the pages and
+// remaps them while faults on the range wait. The kernel refuses both for mappings it cannot
+// collapse (device mappings, pinned pages such as cudaHostRegister'd or RDMA-registered memory)
+// and the range keeps its pages; so does a kernel without THP. Returns true when the interior is
+// huge-page backed and covers most of the region (the table's kEntryHuge hint).
+bool back_with_huge_pages(uintptr_t addr, uint64_t size) {
+  if (!thp_wanted() || size < kHugePage) return false;
+  const uintptr_t lo = (addr + kHugePage - 1) & ~(kHugePage - 1), hi = (addr + size) & ~(kHugePage - 1);
+  if (hi <= lo) return false;
+  const uint64_t n = hi - lo;
+  if (::madvise(reinterpret_cast<void*>(lo), n, MADV_HUGEPAGE) != 0) return false;
+  if (n > thp_collapse_max()) return false;
+  if (::madvise(reinterpret_cast<void*>(lo), n, MADV_COLLAPSE) != 0) return false;
+  return n * 4 >= size * 3;
+}
+}  // namespace
+
 uint64_t Engine::register_memory(uintptr_t addr, uint64_t size, int loc, int device) {
+  // Before taking the lock: collapsing takes milliseconds per MiB.
+  const bool huge = loc == 1 && table_ && back_with_huge_pages(addr, size);
   auto r = std::make_shared<Region>();
   r->addr = addr;
   r->size = size;
@@ -1052,7 +1102,7 @@ uint64_t Engine::register_memory(uintptr_t addr, uint64_t size, int loc, int dev
   if (table_ && loc == 1 && !shut_) {
     TableEntry* e = table_entry(r->id);
     if (e->id.load(std::memory_order_relaxed) == 0) {
-      table_write_entry(e, r->id, addr, size);
+      table_write_entry(e, r->id, addr, size, huge ? kEntryHuge : 0);
       r->published = true;
     }
   }
@@ -1801,15 +1851,20 @@ StatusPtr Engine::post(uint16_t op, uint64_t local_id, const std::string& peer_k
 // -- direct path (initiator side) ------------------------------------------------------------
 
 namespace {
-constexpr uint64_t kSplitMinDefault = 1u << 20;  // smallest piece worth a second thread (measured: smaller pieces lose)
+// Smallest piece worth a second thread. Target memory on 4 KiB pages: 1 MiB (smaller pieces lose,
+// the threads' pinning contends on the target's page-table lock). On huge pages (kEntryHuge):
+// 256 KiB (measured here, 2 threads: 512 KiB 21.5 -> 14.6 us, 1 MiB 94 -> 24 us, each core's
+// cache then holding its half of both buffers).
+constexpr uint64_t kSplitMinDefault = 1u << 20;
+constexpr uint64_t kSplitMinHuge = 256u << 10;
 
-uint64_t split_min() {
+uint64_t split_min(bool huge) {
   static const uint64_t v = [] {
     const char* e = std::getenv("MORI_IO_CMA_SPLIT_BYTES");  // undocumented: for tuning
     uint64_t x = e ? std::strtoull(e, nullptr, 10) : 0;
-    return x >= 4096 ? x : kSplitMinDefault;
+    return x >= 4096 ? x : 0;
   }();
-  return v;
+  return v ? v : huge ? kSplitMinHuge : kSplitMinDefault;
 }
 
 // The CPU count, at most 4, read once: std::thread::hardware_concurrency() opens and reads
@@ -1823,8 +1878,8 @@ int auto_copy_threads() {
 // Copies matching iovec lists, cut into pieces of about equal size run in parallel (the calling
 // thread copies the first) when the transfer is large. Returns 0 or the first errno.
 int Engine::copy_parallel(bool pull, pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote,
-                          uint64_t total) {
-  const uint64_t k0 = total / split_min();
+                          uint64_t total, bool huge) {
+  const uint64_t k0 = total / split_min(huge);
   if (k0 <= 1) return cma_copy(pull, pid, std::move(local), std::move(remote));
   int threads = tcp_config().cma_threads;
   if (threads <= 0) threads = auto_copy_threads();
@@ -1938,8 +1993,8 @@ bool Engine::direct_post(Direct& d, const std::string& peer_key, uint16_t op, ui
       d.ok = false;
       return false;
     }
-    uint64_t raddr = 0, rsize = 0;
-    if (!table_read_entry(d.entry(remote_id), remote_id, &raddr, &rsize))
+    uint64_t raddr = 0, rsize = 0, rflags = 0;
+    if (!table_read_entry(d.entry(remote_id), remote_id, &raddr, &rsize, &rflags))
       return false;  // not published (GPU memory, unknown, retired, table full): the target decides
     uint64_t total = 0;
     for (const Seg& s : segs) {
@@ -1962,7 +2017,7 @@ bool Engine::direct_post(Direct& d, const std::string& peer_key, uint16_t op, ui
         mine.push_back({reinterpret_cast<void*>(s.addr), s.len});
         theirs.push_back({reinterpret_cast<void*>(raddr + s.off), s.len});
       }
-      int err = copy_parallel(op == kRead, d.pid, mine, theirs, total);
+      int err = copy_parallel(op == kRead, d.pid, mine, theirs, total, (rflags & kEntryHuge) != 0);
       if (refused_errno(err)) {  // the OS said no after all: the target-side path takes over
         d.ok = false;
         direct_refused.fetch_add(1);

@@ -235,7 +235,9 @@ class Engine {
   // Direct path, initiator: true if the transfer was handled (its status completed).
   bool direct_post(Direct& d, const std::string& peer_key, uint16_t op, uint64_t remote_id, const std::vector<Seg>& segs,
                    uint64_t uid, bool notify, const StatusPtr& st);
-  int copy_parallel(bool pull, pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t total);
+  // `huge`: the target's region is on huge pages (kEntryHuge), which allows smaller pieces.
+  int copy_parallel(bool pull, pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t total,
+                    bool huge);
   // Direct path, target: the table and its slots.
   void create_table();
   bool table_ok() const { return table_ != nullptr; }

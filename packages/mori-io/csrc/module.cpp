@@ -193,7 +193,9 @@ PYBIND11_MODULE(_engine, m) {
           "Settings of the TCP backend (apply to new connections). cma_threads: threads (the caller "
           "included) that copy one large same-host transfer; 0 = min(4, CPUs).")
       .def("register_memory", &Engine::register_memory, py::arg("addr"), py::arg("size"), py::arg("loc"),
-           py::arg("device"), "Add a region to the table; returns its id.")
+           py::arg("device"), py::call_guard<py::gil_scoped_release>(),
+           "Add a region to the table; returns its id. CPU memory's 2 MiB-aligned interior is put on "
+           "transparent huge pages (contents unchanged; MORI_IO_THP=0: not).")
       .def("deregister_memory", &Engine::deregister_memory, py::arg("id"), py::arg("timeout_ms"),
            py::call_guard<py::gil_scoped_release>(),
            "Remove a region, then wait for transfers touching it; False if some still ran at the timeout.")

@@ -46,11 +46,19 @@ constexpr uint32_t kTableSlots = 128;
 constexpr uint32_t kRingRecords = 4096;
 constexpr size_t kTablePage = 4096;
 
+// TableEntry::flags: the owner backed the region's 2 MiB-aligned interior with transparent huge
+// pages at registration. process_vm_readv/writev then pins the target's pages 2 MiB at a time
+// instead of one page-table lock per 4 KiB page, so the initiator may cut smaller transfers over
+// several threads without their pinning contending on that lock. A hint for speed only (the
+// kernel may split the pages later); a table written before the field existed reads 0.
+constexpr uint64_t kEntryHuge = 1;
+
 struct alignas(64) TableEntry {
   std::atomic<uint64_t> seq;
   std::atomic<uint64_t> id;  // 0: free or retired
   std::atomic<uint64_t> addr;
   std::atomic<uint64_t> size;
+  std::atomic<uint64_t> flags;  // kEntryHuge
 };
 
 struct TableHeader {
@@ -101,30 +109,34 @@ struct DirectGrant {
 static_assert(sizeof(DirectGrant) == 48, "grant is 48 bytes");
 
 // Owner side: rewrite an entry under its seqlock (callers serialise writers).
-inline void table_write_entry(TableEntry* e, uint64_t id, uint64_t addr, uint64_t size) {
+inline void table_write_entry(TableEntry* e, uint64_t id, uint64_t addr, uint64_t size, uint64_t flags = 0) {
   uint64_t s = e->seq.load(std::memory_order_relaxed);
   e->seq.store(s + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
   e->id.store(id, std::memory_order_relaxed);
   e->addr.store(addr, std::memory_order_relaxed);
   e->size.store(size, std::memory_order_relaxed);
+  e->flags.store(flags, std::memory_order_relaxed);
   e->seq.store(s + 2, std::memory_order_release);
 }
 
 // Initiator side: a consistent snapshot of entry `id`; false if the entry holds another id (not
 // published, retired) or the owner kept rewriting it.
-inline bool table_read_entry(const TableEntry* e, uint64_t id, uint64_t* addr, uint64_t* size) {
+inline bool table_read_entry(const TableEntry* e, uint64_t id, uint64_t* addr, uint64_t* size,
+                             uint64_t* flags = nullptr) {
   for (int tries = 0; tries < 10000; ++tries) {
     uint64_t s1 = e->seq.load(std::memory_order_acquire);
     if (s1 & 1) continue;
     uint64_t eid = e->id.load(std::memory_order_relaxed);
     uint64_t a = e->addr.load(std::memory_order_relaxed);
     uint64_t sz = e->size.load(std::memory_order_relaxed);
+    uint64_t f = e->flags.load(std::memory_order_relaxed);
     std::atomic_thread_fence(std::memory_order_acquire);
     if (e->seq.load(std::memory_order_relaxed) != s1) continue;
     if (eid != id || id == 0) return false;
     *addr = a;
     *size = sz;
+    if (flags) *flags = f;
     return true;
   }
   return false;

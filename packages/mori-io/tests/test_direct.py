@@ -333,3 +333,82 @@ def test_killed_target_fails_direct_transfers(monkeypatch: pytest.MonkeyPatch, m
             os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         proc.stdout.close()
+
+
+def _thp_available() -> bool:
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return "[never]" not in mode and tuple(int(x) for x in os.uname().release.split(".")[:2]) >= (6, 1)
+
+
+def _huge_kib(addr: int, size: int) -> int:
+    """AnonHugePages (KiB) of this process's mappings overlapping [addr, addr + size)."""
+    total, overlaps = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            overlaps = lo < addr + size and addr < hi
+        elif overlaps and head == "AnonHugePages:":
+            total += int(line.split()[1])
+    return total
+
+
+def test_registration_puts_cpu_memory_on_huge_pages_without_changing_it(make) -> None:
+    """register_memory backs the 2 MiB-aligned interior of CPU memory with transparent huge pages
+    (MADV_HUGEPAGE + MADV_COLLAPSE): the bytes stay what they were, and transfers that the
+    initiator then cuts into 256 KiB pieces over threads arrive byte-exact."""
+    a = make("a")
+    b = make("b")
+    a.register_remote_engine(b.get_engine_desc())
+    n = 12 << 20
+    x = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    y = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    x0, y0 = x.clone(), y.clone()
+    mx, my = a.register_torch_tensor(x), b.register_torch_tensor(y)
+    assert torch.equal(x, x0) and torch.equal(y, y0)
+    if _thp_available():
+        assert _huge_kib(y.data_ptr(), n) >= 4096, "registered CPU memory is not on huge pages"
+    # 512 KiB and odd sizes: split over 2 threads when the target's entry says "huge"
+    sizes = [512 << 10, (768 << 10) + 5, (1 << 20) - 3, 300000]
+    at, offs = 7, []
+    for s in sizes:
+        offs.append(at)
+        at += s + 4099
+    for i, (off, s) in enumerate(zip(offs, sizes, strict=True)):
+        st = a.write(mx, off, my, off + 1, s, 10 + i)
+        assert st.WaitFor(0) and st.Succeeded(), st.Message()
+        assert torch.equal(y[off + 1 : off + 1 + s], x[off : off + s])
+        st = a.read(mx, off + 2, my, off + 1, s, 20 + i)
+        assert st.WaitFor(0) and st.Succeeded(), st.Message()
+        assert torch.equal(x[off + 2 : off + 2 + s], y[off + 1 : off + 1 + s])
+    assert a._counters()["direct_copies"] == 2 * len(sizes)
+
+
+_NO_THP = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_direct import _huge_kib
+from mori.io import BackendType, IOEngine, IOEngineConfig
+e = IOEngine("plain", IOEngineConfig("127.0.0.1", 0))
+e.create_backend(BackendType.TCP)
+buf = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8)
+e.register_torch_tensor(buf)
+print(_huge_kib(buf.data_ptr(), buf.numel()))
+"""
+
+
+@pytest.mark.skipif(not _thp_available(), reason="no transparent huge pages here")
+def test_mori_io_thp_0_leaves_memory_alone() -> None:
+    env = {**os.environ, "MORI_IO_THP": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_THP, str(Path(__file__).parent)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert out.stdout.split()[-1] == "0", out.stdout + out.stderr
