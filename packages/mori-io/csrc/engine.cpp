@@ -1917,32 +1917,46 @@ int Engine::copy_parallel(bool pull, pid_t pid, std::vector<iovec>& local, std::
       }
     }
   }
-  struct Join {
+  // Pieces are claimed, not assigned: the posting thread copies the first, then claims whatever
+  // no worker has started yet, and waits only for pieces a worker is copying. A worker that the
+  // scheduler does not run soon (other processes on every core) costs nothing but the split; and
+  // no piece is started after this returns, so the caller's busy counter covers every copy.
+  struct Job {
+    std::vector<Piece> pieces;
+    std::atomic<size_t> next{1};  // piece 0 is the poster's
+    std::atomic<size_t> left{0};  // pieces not finished
+    std::atomic<int> err{0};
     std::mutex mu;
     std::condition_variable cv;
-    std::atomic<int> left{0};
-    std::atomic<int> err{0};
-  };
-  auto join = std::make_shared<Join>();
-  join->left = int(k - 1);
-  for (uint64_t p = 1; p < k; ++p) {
-    pool->run([join, pull, pid, piece = std::move(pieces[p])]() mutable {
-      int e = cma_copy(pull, pid, std::move(piece.l), std::move(piece.r));
+    bool pull = false;
+    pid_t pid = 0;
+    void copy(size_t i) {
+      int e = cma_copy(pull, pid, std::move(pieces[i].l), std::move(pieces[i].r));
       if (e) {
         int zero = 0;
-        join->err.compare_exchange_strong(zero, e);
+        err.compare_exchange_strong(zero, e);
       }
-      std::lock_guard<std::mutex> g(join->mu);
-      if (join->left.fetch_sub(1) == 1) join->cv.notify_all();
-    });
-  }
-  int e0 = cma_copy(pull, pid, std::move(pieces[0].l), std::move(pieces[0].r));
-  for (int spin = 0; spin < 2000 && join->left.load() > 0; ++spin) std::this_thread::yield();
+      std::lock_guard<std::mutex> g(mu);
+      if (left.fetch_sub(1) == 1) cv.notify_all();
+    }
+    void drain() {
+      for (size_t i; (i = next.fetch_add(1)) < pieces.size();) copy(i);
+    }
+  };
+  auto job = std::make_shared<Job>();
+  job->pieces = std::move(pieces);
+  job->left = job->pieces.size();
+  job->pull = pull;
+  job->pid = pid;
+  for (uint64_t p = 1; p < k; ++p) pool->run([job] { job->drain(); });
+  job->copy(0);
+  job->drain();
+  for (int spin = 0; spin < 2000 && job->left.load() > 0; ++spin) std::this_thread::yield();
   {
-    std::unique_lock<std::mutex> g(join->mu);
-    join->cv.wait(g, [&] { return join->left.load() == 0; });
+    std::unique_lock<std::mutex> g(job->mu);
+    job->cv.wait(g, [&] { return job->left.load() == 0; });
   }
-  return e0 ? e0 : join->err.load();
+  return job->err.load();
 }
 
 namespace {
