@@ -74,11 +74,16 @@ class TcpBackendConfig:
     ``num_connections_per_peer``: sockets opened to each remote engine; pieces of a transfer are
     striped over them. ``chunk_bytes``: largest piece sent as one message (bytes). ``socket_buffer_bytes``:
     SO_SNDBUF/SO_RCVBUF, ``0`` keeps the kernel's autotuning. ``enable_cma``: between engines on one
-    node, CPU bytes move by cross-memory attach (``process_vm_readv``/``writev``, done by the target
-    after its bounds check) instead of through the socket, with automatic fallback to the socket
-    where the OS refuses. ``enable_notification``: targets record inbound statuses. Environment
-    variables ``MORI_IO_TCP_CONNS_PER_PEER``, ``MORI_IO_CHUNK_BYTES``, ``MORI_IO_TCP_CMA`` and
-    ``MORI_IO_ENABLE_NOTIFICATION`` override these.
+    node, CPU bytes move by cross-memory attach (``process_vm_readv``/``writev``) instead of through
+    the socket: the initiator copies itself, on the posting thread (large transfers over
+    ``MORI_IO_CMA_THREADS`` threads), after checking every block against the registration table the
+    target publishes, so the status is final when ``read``/``write`` returns; where the target
+    publishes no table entry (GPU memory, a full table) the target copies after its own bounds
+    check, and where the OS refuses attach the bytes go through the socket. ``enable_notification``:
+    targets record inbound statuses. Environment variables ``MORI_IO_TCP_CONNS_PER_PEER``,
+    ``MORI_IO_CHUNK_BYTES``, ``MORI_IO_TCP_CMA`` and ``MORI_IO_ENABLE_NOTIFICATION`` override these.
+    Registered CPU memory is put on transparent huge pages (contents unchanged; ``MORI_IO_THP=0``:
+    not; see the MORI-IO guide).
     """
 
     num_connections_per_peer: int = 4
