@@ -260,9 +260,10 @@ class KernelPath:
 
         ``input`` is either the registered buffer itself (zero-copy: peers read their rows there,
         :func:`~mori.ep.kernels.combine_kernel`) or any tensor: its rows are pushed to the peers'
-        staging (:func:`~mori.ep.kernels.combine_push_kernel`), or, with wire quantisation or a
-        routing handle that has no ``recv_slot`` table, copied (quantised) into the registered
-        buffer first and gathered from there.
+        staging (:func:`~mori.ep.kernels.combine_push_kernel`), or, with chunks of under 2 tokens
+        (see :meth:`_push_chunk`), wire quantisation or a routing handle that has no
+        ``recv_slot`` table, copied (quantised) into the registered buffer first and gathered
+        from there.
         """
         op = self.op
         zero_copy = input.data_ptr() == op._comb_inp.data_ptr()
