@@ -9,6 +9,7 @@ packing, receive counts, source info, weighted combine, fp8 with per-128-channel
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
@@ -343,6 +344,8 @@ def _check_packed(
     world = len(all_in)
     assert recv_x.shape == (E_LOCAL, world * LL_M, H) and count.dtype == torch.int32
     assert handle.packed_recv_layout_range is not None and handle.packed_recv_src_info is not None
+    recv_x, count = recv_x.cpu(), count.cpu()  # (GPU runs: compare on the host)
+    src_info, layout = handle.packed_recv_src_info.cpu(), handle.packed_recv_layout_range.cpu()
     for e, (srcs, toks) in enumerate(_expected_ll(all_in, rank)):
         c = srcs.numel()
         assert int(count[e]) == c
@@ -353,10 +356,10 @@ def _check_packed(
         )
         if recv_x.dtype == torch.bfloat16:
             assert torch.equal(_bits(recv_x[e, :c]), _bits(rows)), f"packed rows of local expert {e}"
-        assert torch.equal(handle.packed_recv_src_info[e, :c], toks.int())
+        assert torch.equal(src_info[e, :c], toks.int())
         per_src = torch.bincount(srcs, minlength=world)
         begin = per_src.cumsum(0) - per_src
-        assert torch.equal(handle.packed_recv_layout_range[e], (begin << 32) | per_src)
+        assert torch.equal(layout[e], (begin << 32) | per_src)
 
 
 def _ll(rank: int, world: int, port: int) -> str:
@@ -595,38 +598,48 @@ def test_deepep_names() -> None:
 
 
 def _kernels(rank: int, world: int) -> str:
-    """One normal and one low-latency round with the operator on its Triton kernels."""
+    """One normal and one low-latency round with the operator on its Triton kernels (interpreted
+    on the cpu runtime; on a GPU heap when MORI_DEVICE_RUNTIME=cuda)."""
     torch.set_num_threads(1)
+    gpu = os.environ.get("MORI_DEVICE_RUNTIME") == "cuda"
+    dev = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+
+    def on_dev(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in d.items()}
+
     buf = Buffer(None, low_latency_mode=True, impl="triton")
     all_in = [_inputs(81, s, world, MAX_N) for s in range(world)]
-    me = all_in[rank]
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(me["idx"], world * E_LOCAL)
+    me, me_d = all_in[rank], on_dev(all_in[rank])
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(me_d["idx"], world * E_LOCAL)
     ref = _expected_recv(all_in, rank)
     few = Config(2, 6, 256)  # two programs: the interpreter runs them one after another
     recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
-        me["x"],
+        me_d["x"],
         num_tokens_per_rank=per_rank,
         is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert,
-        topk_idx=me["idx"],
-        topk_weights=me["w"],
+        topk_idx=me_d["idx"],
+        topk_weights=me_d["w"],
         config=few,
     )
-    assert torch.equal(_bits(recv_x), _bits(ref["x"])) and torch.equal(recv_idx, ref["idx"])
-    assert torch.equal(_bits(recv_w), _bits(ref["w"]))
+    assert recv_x.device == dev
+    assert torch.equal(_bits(recv_x.cpu()), _bits(ref["x"])) and torch.equal(recv_idx.cpu(), ref["idx"])
+    assert torch.equal(_bits(recv_w.cpu()), _bits(ref["w"]))
     combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w, config=few)
     u = _in_rank(me["idx"], world).sum(1).float()
-    _close(combined.float(), me["x"].float() * u[:, None], rtol=2e-2, atol=2e-2)
+    _close(combined.cpu().float(), me["x"].float() * u[:, None], rtol=2e-2, atol=2e-2)
     assert combined_w is not None
-    _close(combined_w, torch.where(me["idx"] >= 0, me["w"], 0.0), rtol=1e-6, atol=1e-6)
+    _close(combined_w.cpu(), torch.where(me["idx"] >= 0, me["w"], 0.0), rtol=1e-6, atol=1e-6)
     all_in = [_inputs(80, s, world, LL_M) for s in range(world)]
-    me = all_in[rank]
+    me, me_d = all_in[rank], on_dev(all_in[rank])
     recv_x, count, ll, _, _ = buf.low_latency_dispatch(
-        me["x"], me["idx"], LL_M, world * E_LOCAL, use_fp8=False
+        me_d["x"], me_d["idx"], LL_M, world * E_LOCAL, use_fp8=False
     )
     _check_packed(recv_x, count, ll, all_in, rank)
-    combined, _, _ = buf.low_latency_combine(_expert_fn(recv_x, rank), me["idx"], me["w"], ll)
-    _close(combined.float(), _expected_combine(me), rtol=2e-2, atol=5e-2)
+    combined, _, _ = buf.low_latency_combine(
+        _expert_fn(recv_x.cpu(), rank).to(dev), me_d["idx"], me_d["w"], ll
+    )
+    _close(combined.cpu().float(), _expected_combine(me), rtol=2e-2, atol=5e-2)
     assert buf._ops and all(op._kern is not None for op in buf._ops.values()), "not on the kernels"
     shmem.shmem_barrier_all()
     return "ok"
@@ -636,3 +649,15 @@ def test_through_triton_kernels() -> None:
     pytest.importorskip("triton")
     env = {"TRITON_INTERPRET": "1", "MORI_BOOTSTRAP_TIMEOUT": "60"}
     assert shmem_ranks(_kernels, 2, env=env, timeout=180) == ["ok", "ok"]
+
+
+@pytest.mark.cuda
+def test_through_triton_kernels_on_gpus() -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    env = {"MORI_DEVICE_RUNTIME": "cuda", "MORI_SHMEM_HEAP_SIZE": "512M", "MORI_BOOTSTRAP_TIMEOUT": "60"}
+    assert shmem_ranks(_kernels, 2, env=env, timeout=300, before_init=_gpu_rank_device) == ["ok", "ok"]
+
+
+def _gpu_rank_device(rank: int, nranks: int) -> None:
+    torch.cuda.set_device(rank % torch.cuda.device_count())
