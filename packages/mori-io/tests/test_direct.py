@@ -412,3 +412,28 @@ def test_mori_io_thp_0_leaves_memory_alone() -> None:
         check=True,
     )
     assert out.stdout.split()[-1] == "0", out.stdout + out.stderr
+
+
+def test_a_post_from_inside_list_conversion_keeps_both_lists(make) -> None:
+    """The native post converts its lists into per-thread buffers; an ``__index__`` that posts
+    from inside that conversion (only the native API takes such objects) gets buffers of its own,
+    and both transfers move their own blocks."""
+    a, b, x, y, mx, my = _pair(make, n=1 << 20)
+    native = a._native
+    inner: list = []
+
+    def post(loffs, roffs, sizes, uid):
+        return native.post("write", mx.id, "b", my.id, loffs, roffs, sizes, uid, True, my.size)
+
+    class Posting:
+        def __index__(self) -> int:
+            inner.append(post([0, 8192], [4096, 12288], [4096, 4096], 7))
+            return 65536
+
+    st = post([Posting(), 131072], [262144, 393216], [4096, 8192], 8)
+    assert st.WaitFor(0) and st.Succeeded(), st.Message()
+    assert len(inner) == 1 and inner[0].WaitFor(0) and inner[0].Succeeded(), inner[0].Message()
+    assert torch.equal(y[4096:8192], x[0:4096]) and torch.equal(y[12288:16384], x[8192:12288])
+    assert torch.equal(y[262144:266240], x[65536:69632])
+    assert torch.equal(y[393216:401408], x[131072:139264])
+    assert b.pop_inbound_transfer_status("a", 8) is not None
