@@ -872,6 +872,43 @@ def test_io_engines_route_gpu_memory_through_xgmi(
         eb.deregister_memory(db)
 
 
+def test_tcp_carries_gpu_memory_through_the_runtime_copier(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No XGMI backend: the first GPU registration installs mori.io.staging's copier on the
+    runtime, and the TCP backend moves GPU regions through host staging, byte-exact both ways."""
+    ra, rb = node.runtime(1000, device=0), node.runtime(1001, device=1)
+    runtimes = iter([ra, rb])
+    monkeypatch.setattr(xgmi, "find_gpu_runtime", lambda: next(runtimes))
+    size = 3 * MiB + 512  # several staging pieces, the last one partial
+    pa, pb = gpu_alloc(ra, size), gpu_alloc(rb, size)
+    with (
+        IOEngine("ta", IOEngineConfig("127.0.0.1", 0)) as ea,
+        IOEngine("tb", IOEngineConfig("127.0.0.1", 0)) as eb,
+    ):
+        assert not ea._native.has_device_copier()
+        ea.create_backend(BackendType.TCP)
+        eb.create_backend(BackendType.TCP)
+        da = ea.register_memory(pa, size, 0, MemoryLocationType.GPU)
+        db = eb.register_memory(pb, size, 1, MemoryLocationType.GPU)
+        assert ea._native.has_device_copier() and eb._native.has_device_copier()
+        ea.register_remote_engine(eb.get_engine_desc())
+        eb.register_remote_engine(ea.get_engine_desc())
+        remote = MemoryDesc.unpack(db.pack())
+        assert ea._route_name(da, remote).startswith("tcp")
+        pattern = bytes(range(251)) * (size // 251 + 1)
+        _fill(pa, pattern[:size])
+        wait_ok(ea.write(da, 0, remote, 0, size, ea.allocate_transfer_uid()))
+        assert _bytes(pb, size) == pattern[:size]
+        _fill(pb + MiB, b"\x5a" * 4096)
+        wait_ok(ea.read(da, 100, remote, MiB, 4096, ea.allocate_transfer_uid()))
+        assert _bytes(pa + 100, 4096) == b"\x5a" * 4096
+        copied = ea._device_copier.copies + eb._device_copier.copies
+        assert copied >= 2 * 4 + 2, f"the copier staged {copied} pieces"
+        ea.deregister_memory(da)
+        eb.deregister_memory(db)
+
+
 # -- real GPUs -------------------------------------------------------------------------------------------------
 
 

@@ -194,6 +194,8 @@ class IOEngine:
         self._remotes: dict[str, EngineDesc] = {}
         self._local: dict[int, MemoryDesc] = {}
         self._routes: dict[tuple[int, str, int], Backend] = {}
+        #: the TCP backend's GPU staging copier (mori.io.staging), False once found unavailable
+        self._device_copier: Any = None
         self._failed_routes: set[tuple[int, str, int, int]] = set()
         self._uids = itertools.count()
         self._closed = False
@@ -309,6 +311,8 @@ class IOEngine:
             raise bad_value(
                 "register_memory", "mem_loc", mem_loc, "MemoryLocationType.CPU or MemoryLocationType.GPU"
             )
+        if mem_loc == MemoryLocationType.GPU:
+            self._install_device_copier()
         mid = self._native.register_memory(ptr, size, int(mem_loc), device_id)
         desc = MemoryDesc(self.key, mid, device_id, "", ptr, size, int(mem_loc), -1, b"")
         for b in list(self._backends.values()):
@@ -318,6 +322,19 @@ class IOEngine:
         with self._lock:
             self._local[mid] = desc
         return desc
+
+    def _install_device_copier(self) -> None:
+        # the TCP backend carries GPU memory once a copier is installed (mori.io.staging): the
+        # first GPU registration installs one on the device plugins' GPU runtime, if there is one
+        if self._device_copier is not None or self._native.has_device_copier():
+            return
+        from mori.io import staging, xgmi
+
+        try:
+            self._device_copier = staging.install(self._native, xgmi.find_gpu_runtime())
+        except Exception as e:  # no runtime: GPU pairs route to other backends or fail clearly
+            _log.info("mori.io: the TCP backend will not carry GPU memory: %s", e)
+            self._device_copier = False
 
     def register_torch_tensor(self, tensor: Any) -> MemoryDesc:
         """Register a contiguous torch tensor's bytes (CPU: device_id -1, GPU: its device index)."""
