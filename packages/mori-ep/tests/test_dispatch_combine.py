@@ -443,6 +443,18 @@ def test_combine_fp8_wire_quantisation(world: int) -> None:
     assert shmem_ranks(_quant, world, env={"MORI_FP8_COMBINE_SCALE_DIM": "4"}) == ["ok"] * world
 
 
+def _fnuz(rank: int, world: int, impl: str = "host") -> None:
+    # AMD's fp8 (float8_e4m3fnuz): rows and scales travel as bytes, checked bit-exact
+    op = _op(impl, rank, world)
+    for it in range(2):
+        _round(op, 90 + it, "random", torch.float8_e4m3fnuz, torch.bfloat16)
+
+
+@pytest.mark.parametrize("impl", ["host", "triton"])
+def test_fp8_e4m3fnuz_dispatch(impl: str) -> None:
+    shmem_ranks(_fnuz, 2, impl, env=INTERPRET if impl == "triton" else None, timeout=300)
+
+
 def test_error_paths() -> None:
     assert shmem_ranks(_errors, 2) == ["ok", "ok"]
 
