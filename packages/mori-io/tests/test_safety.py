@@ -441,3 +441,67 @@ def test_overlong_auth_token_is_rejected(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("MORI_IO_AUTH_TOKEN", "x" * 2000)
     with pytest.raises(MoriValueError, match="MORI_IO_AUTH_TOKEN"):
         IOEngine("t", IOEngineConfig("127.0.0.1", 0))
+
+
+def test_session_posts_check_their_arguments_like_the_engine(pair) -> None:
+    """IOEngineSession's native fast path takes the caller's lists as they are; whatever it does
+    not take goes through the checked path, so bad input still raises naming the argument."""
+    from mori.core.errors import MoriStateError, MoriTypeError, MoriValueError
+
+    sess = pair.a.create_session(pair.src_desc, pair.dst_desc)
+    assert sess is not None and sess._fast is not None
+    for call, match in (
+        (lambda: sess.batch_write([0, True], [0, 8], [8, 8], 1), "batch_write: local_offsets\\[1\\]"),
+        (lambda: sess.batch_read([0, 8], [0, 8], [8, 8.0], 1), "batch_read: sizes\\[1\\]"),
+        (lambda: sess.batch_write([0], [0], [8], False), "batch_write: uid"),
+        (lambda: sess.write(0, 0, 8, 1.0), "write: uid"),
+        (lambda: sess.read(0, None, 8, 1), "read: remote_offsets\\[0\\]"),
+    ):
+        with pytest.raises(MoriTypeError, match=match):
+            call()
+    for call, match in (
+        (lambda: sess.batch_write([0, -8], [0, 8], [8, 8], 1), "batch_write: local_offsets\\[1\\]"),
+        (lambda: sess.batch_write([0, 8], [0, 8], [8], 1), "batch_write: sizes"),
+        (lambda: sess.batch_read([0], [0], [8], -1), "batch_read: uid"),
+        (lambda: sess.write(0, 0, -1, 1), "write: sizes\\[0\\]"),
+    ):
+        with pytest.raises(MoriValueError, match=match):
+            call()
+    st = _done(sess.batch_write([0], [2**64], [8], 1))
+    assert st.Code() == StatusCode.ERR_INVALID_ARGS and "outside the remote region" in st.Message()
+    assert int(pair.dst.count_nonzero()) == 0
+
+    # any sequence of ints is taken: lists, tuples, ranges, generators
+    for i, (lo, ro, sz) in enumerate(
+        (
+            ((0, 8), [0, 8], (8, 8)),
+            (range(0, 16, 8), (x for x in (0, 8)), [8, 8]),
+        )
+    ):
+        st = _done(sess.batch_write(lo, ro, sz, 10 + i))
+        assert st.Succeeded(), st.Message()
+    assert torch.equal(pair.dst[:16], pair.src[:16])
+
+    # an __index__ that empties the caller's other list while it is read: no stale read, a clear error
+    offs = [0, 8]
+
+    class Shrinks:
+        def __index__(self) -> int:
+            offs.clear()
+            return 16
+
+    with pytest.raises(MoriValueError, match="batch_write: sizes"):
+        sess.batch_write([0, Shrinks()], offs, [8, 8], 12)
+
+    # the fast path follows the engine's state: forgotten peer, deregistered region, shutdown
+    pair.a.deregister_remote_engine(pair.b.get_engine_desc())
+    st = _done(sess.batch_write([0], [0], [8], 20))
+    assert st.Code() == StatusCode.ERR_NOT_FOUND and "register_remote_engine" in st.Message()
+    pair.a.register_remote_engine(pair.b.get_engine_desc())
+    assert _done(sess.write(0, 0, 8, 21)).Succeeded()
+    pair.a.deregister_memory(pair.src_desc)
+    st = _done(sess.write(0, 0, 8, 22))
+    assert st.Code() == StatusCode.ERR_INVALID_ARGS and "not registered" in st.Message()
+    pair.a.shutdown()
+    with pytest.raises(MoriStateError, match="batch_write: engine 'a' was shut down"):
+        sess.batch_write([0], [0], [8], 23)

@@ -700,18 +700,55 @@ class IOEngineSession:
         self._engine = engine
         self._local = local
         self._remote = remote
+        self._key = (local.id, remote.engine_key, remote.id)
+        # Fast path while the route is the TCP backend's: one native call per post, which takes the
+        # caller's lists as they are (no copies) and checks every block (the native engine against
+        # its table and the descriptor, the target against its own). Anything the native side does
+        # not take (TypeError) goes through IOEngine._post, which names the bad argument.
+        backend = engine._routes.get(self._key)
+        self._tcp = backend if type(backend) is _TcpBackend else None
+        self._fast: Any = (
+            engine._native.session(
+                local.id, remote.engine_key, remote.id, remote.loc == MemoryLocationType.CPU, remote.size
+            )
+            if self._tcp is not None
+            else None
+        )
+
+    def _usable(self) -> bool:
+        """The fast path still applies: engine open, both regions registered, route unchanged."""
+        eng = self._engine
+        return (
+            not eng._closed
+            and self._tcp is not None
+            and eng._routes.get(self._key) is self._tcp
+            and self._local.id in eng._local
+            and self._remote.engine_key in eng._remotes
+        )
 
     def allocate_transfer_uid(self) -> int:
         return self._engine.allocate_transfer_uid()
 
     def read(self, local_offset: int, remote_offset: int, size: int, uid: int) -> TransferStatus:
         """Remote → local, one block."""
+        if self._usable():
+            try:
+                st: TransferStatus = self._fast.read(local_offset, remote_offset, size, uid)
+                return st
+            except TypeError:
+                pass
         return self._engine._post(
             "read", self._local, [local_offset], self._remote, [remote_offset], [size], uid
         )
 
     def write(self, local_offset: int, remote_offset: int, size: int, uid: int) -> TransferStatus:
         """Local → remote, one block."""
+        if self._usable():
+            try:
+                st: TransferStatus = self._fast.write(local_offset, remote_offset, size, uid)
+                return st
+            except TypeError:
+                pass
         return self._engine._post(
             "write", self._local, [local_offset], self._remote, [remote_offset], [size], uid
         )
@@ -720,6 +757,12 @@ class IOEngineSession:
         self, local_offsets: Sequence[int], remote_offsets: Sequence[int], sizes: Sequence[int], uid: int
     ) -> TransferStatus:
         """Remote → local, many blocks as one transfer (contiguous blocks are merged)."""
+        if self._usable():
+            try:
+                st: TransferStatus = self._fast.batch_read(local_offsets, remote_offsets, sizes, uid)
+                return st
+            except TypeError:
+                pass
         return self._engine._post(
             "read",
             self._local,
@@ -735,6 +778,12 @@ class IOEngineSession:
         self, local_offsets: Sequence[int], remote_offsets: Sequence[int], sizes: Sequence[int], uid: int
     ) -> TransferStatus:
         """Local → remote, many blocks as one transfer."""
+        if self._usable():
+            try:
+                st: TransferStatus = self._fast.batch_write(local_offsets, remote_offsets, sizes, uid)
+                return st
+            except TypeError:
+                pass
         return self._engine._post(
             "write",
             self._local,
