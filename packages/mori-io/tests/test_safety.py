@@ -493,7 +493,14 @@ def test_session_posts_check_their_arguments_like_the_engine(pair) -> None:
     with pytest.raises(MoriValueError, match="batch_write: sizes"):
         sess.batch_write([0, Shrinks()], offs, [8, 8], 12)
 
-    # the fast path follows the engine's state: forgotten peer, deregistered region, shutdown
+    # the fast path follows the engine's state: backend gone and back, forgotten peer,
+    # deregistered region, shutdown
+    pair.a.remove_backend(BackendType.TCP)
+    st = _done(sess.write(0, 0, 8, 13))
+    assert st.Code() == StatusCode.ERR_NOT_FOUND and "no backend" in st.Message()
+    pair.a.create_backend(BackendType.TCP)
+    for uid in (14, 15):  # the first caches the route again, the second takes the fast path
+        assert _done(sess.batch_write([0], [0], [8], uid)).Succeeded()
     pair.a.deregister_remote_engine(pair.b.get_engine_desc())
     st = _done(sess.batch_write([0], [0], [8], 20))
     assert st.Code() == StatusCode.ERR_NOT_FOUND and "register_remote_engine" in st.Message()

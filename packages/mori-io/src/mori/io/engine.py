@@ -705,23 +705,23 @@ class IOEngineSession:
         # caller's lists as they are (no copies) and checks every block (the native engine against
         # its table and the descriptor, the target against its own). Anything the native side does
         # not take (TypeError) goes through IOEngine._post, which names the bad argument.
-        backend = engine._routes.get(self._key)
-        self._tcp = backend if type(backend) is _TcpBackend else None
+        # The native engine outlives TCP backends removed and created again, so the check is the
+        # route's type: after a change the first post goes the checked way and caches it again.
         self._fast: Any = (
             engine._native.session(
                 local.id, remote.engine_key, remote.id, remote.loc == MemoryLocationType.CPU, remote.size
             )
-            if self._tcp is not None
+            if type(engine._routes.get(self._key)) is _TcpBackend
             else None
         )
 
     def _usable(self) -> bool:
-        """The fast path still applies: engine open, both regions registered, route unchanged."""
+        """The fast path still applies: engine open, both ends registered, route the TCP backend."""
         eng = self._engine
         return (
-            not eng._closed
-            and self._tcp is not None
-            and eng._routes.get(self._key) is self._tcp
+            self._fast is not None
+            and not eng._closed
+            and type(eng._routes.get(self._key)) is _TcpBackend
             and self._local.id in eng._local
             and self._remote.engine_key in eng._remotes
         )
