@@ -265,28 +265,46 @@ class KernelPath:
         ``recv_slot`` table, copied (quantised) into the registered buffer first and gathered
         from there.
         """
-        op = self.op
-        zero_copy = input.data_ptr() == op._comb_inp.data_ptr()
+        zero_copy = input.data_ptr() == self.op._comb_inp.data_ptr()
         recv_slot = self.recv_slot if routing is None else routing.recv_slot
-        chunk = self._push_chunk(block_num, warp_per_block, input.dtype)
-        if not zero_copy and self.quant == 0 and recv_slot is not None and chunk:
-            self._combine_push(
-                input,
-                weights,
-                out,
-                out_w,
-                n_tok,
-                routing,
-                recv_slot,
-                chunk,
-                block_num,
-                warp_per_block,
-                phases,
-            )
-        else:
-            self._combine_gather(
-                input, weights, out, out_w, n_tok, routing, block_num, warp_per_block, phases
-            )
+        if not zero_copy and self.quant == 0 and recv_slot is not None:
+            chunk = self._push_chunk(block_num, warp_per_block, input.dtype)
+            if chunk:
+                self._combine_push(
+                    input,
+                    weights,
+                    out,
+                    out_w,
+                    n_tok,
+                    routing,
+                    recv_slot,
+                    chunk,
+                    block_num,
+                    warp_per_block,
+                    phases,
+                )
+                return
+        self._combine_gather(
+            input, weights, out, out_w, n_tok, routing, zero_copy, block_num, warp_per_block, phases
+        )
+
+    def _combine_geometry(
+        self,
+        phases: int,
+        block_num: int,
+        warp_per_block: int,
+        dtype: torch.dtype,
+        n_tok: int,
+        zero_copy: bool,
+    ) -> tuple[int, int, int]:
+        """(programs, warps, tile elements) of a combine launch: one launch doing both phases waits
+        inside for every program's first phase, so all of its programs must be resident at once."""
+        grid, warps, tile_elems = self._geometry(
+            "combine", block_num, warp_per_block, dtype, n_tok, zero_copy
+        )
+        if phases == self.kernels.STAGE | self.kernels.REDUCE:
+            grid = min(grid, self.resident_programs)
+        return grid, warps, tile_elems
 
     def _combine_push(
         self,
@@ -311,12 +329,9 @@ class KernelPath:
         stage = op._stage_tok.view(w * m, op._row_bytes)
         stage_w = _as_words(stage, word)
         stage_typed = stage.view(input.dtype)
-        grid, warps, tile_elems = self._geometry(
-            "combine", block_num, warp_per_block, input.dtype, n_tok, False
+        grid, warps, tile_elems = self._combine_geometry(
+            phases, block_num, warp_per_block, input.dtype, n_tok, False
         )
-        if phases == kern.STAGE | kern.REDUCE:
-            # a chunk's reduction waits for the peers' pushes of it: every program must be resident
-            grid = min(grid, self.resident_programs)
         bt = min(ct, TileConfig.for_row(h, tile_elems, n_tok, grid).rows)
         # few rows per step: longer column blocks keep as many bytes in flight per program
         block = min(_pow2_at_least(max(h, nb // word)), max(2048, tile_elems // bt), 8192)
@@ -384,6 +399,7 @@ class KernelPath:
         out_w: torch.Tensor | None,
         n_tok: int,
         routing: EpDispatchRoutingHandle | None,
+        zero_copy: bool,
         block_num: int,
         warp_per_block: int,
         phases: int,
@@ -392,17 +408,13 @@ class KernelPath:
         rows, h = input.shape
         nb = h * input.element_size()
         row_bytes = op._row_bytes
-        zero_copy = input.data_ptr() == op._comb_inp.data_ptr()
         word = _word_size(nb, input.stride(0) * input.element_size(), input.data_ptr(), row_bytes)
         inp_w = _as_words(input, word)
         cinp_w = _as_words(op._comb_inp, word)
         cinp_typed = op._comb_inp.view(input.dtype)
-        grid, warps, tile_elems = self._geometry(
-            "combine", block_num, warp_per_block, input.dtype, n_tok, zero_copy
+        grid, warps, tile_elems = self._combine_geometry(
+            phases, block_num, warp_per_block, input.dtype, n_tok, zero_copy
         )
-        if phases == kern.STAGE | kern.REDUCE:
-            # the reduction waits for every program's staging: all of them must be resident at once
-            grid = min(grid, self.resident_programs)
         tile = TileConfig.for_row(h, tile_elems, n_tok, grid)
         # the dispatch to combine: a routing handle's tables, or the live ones of the last dispatch
         recv_src = routing.recv_src_pos if routing is not None else op._recv_src
