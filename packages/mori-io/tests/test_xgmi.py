@@ -633,16 +633,19 @@ def test_descriptor_tables_are_reused_only_after_their_kernel(
     assert first.event not in a.rt.lib.events  # tables (and their events) are freed on close
 
 
+class _Nowhere:
+    """Stands in for the completion thread's queue: the thread never hears of these transfers."""
+
+    def put(self, item: Any) -> None:
+        pass
+
+
 def test_wait_completes_the_status_in_the_calling_thread(node: Node, sg: ModuleType) -> None:
     a = make_side(node, sg, "a", 1000)
     b = make_side(node, sg, "b", 1001)
     connect(a, b)
 
-    class Nowhere:  # the completion thread never hears of these transfers
-        def put(self, item: Any) -> None:
-            pass
-
-    real_queue, a.backend._queue = a.backend._queue, Nowhere()  # type: ignore[assignment]
+    real_queue, a.backend._queue = a.backend._queue, _Nowhere()  # type: ignore[assignment]
     _fill(a.base, b"0123456789abcdef")
     st = a.backend.post("write", a.desc, [0], b.desc, [64], [16], 1)
     assert type(st).__name__ == "XgmiTransferStatus" and st.InProgress()
@@ -676,11 +679,7 @@ def test_wait_blocks_while_the_completion_thread_completes_the_status(node: Node
     b = make_side(node, sg, "b", 1001)
     connect(a, b)
 
-    class Nowhere:
-        def put(self, item: Any) -> None:
-            pass
-
-    real_queue, a.backend._queue = a.backend._queue, Nowhere()  # type: ignore[assignment]
+    real_queue, a.backend._queue = a.backend._queue, _Nowhere()  # type: ignore[assignment]
     st = a.backend.post("write", a.desc, [0], b.desc, [64], [16], 1)
     p = st._xgmi[1]
     assert a.backend._claim(p, xgmi._THREAD)  # as if the completion thread had taken it
