@@ -18,6 +18,8 @@ import torch
 from mori.core.errors import MoriTimeoutError
 from mori.io import EngineDesc, MemoryDesc, MemoryLocationType, StatusCode, TcpBackendConfig
 from mori.testing import run_ranks
+from mori.testing.file_rendezvous import get as _get
+from mori.testing.file_rendezvous import put as _put
 
 
 def _pair(make, cfg: TcpBackendConfig | None = None, n: int = 4 << 20):
@@ -211,20 +213,6 @@ def test_gpu_memory_is_not_published(make) -> None:
 
 
 # -- two processes -----------------------------------------------------------------------------
-
-
-def _put(d: Path, name: str, data: bytes) -> None:
-    (d / f"{name}.tmp").write_bytes(data)
-    (d / f"{name}.tmp").rename(d / name)
-
-
-def _get(d: Path, name: str, timeout: float = 60.0) -> bytes:
-    deadline = time.monotonic() + timeout
-    while not (d / name).exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rendezvous file {name} never appeared")
-        time.sleep(0.01)
-    return (d / name).read_bytes()
 
 
 GUARD = 4096  # bytes on either side of the target's region that must never change

@@ -14,26 +14,14 @@ import pytest
 import torch
 
 from mori.testing import run_ranks
+from mori.testing.file_rendezvous import get as _get
+from mori.testing.file_rendezvous import put as _put
 
 REGION = 8 << 20
 SUB_OFFSET = 12345  # the target registers a view starting this far into a larger allocation
 SUB_SIZE = 1 << 20
 # (size, count) per case; blocks are laid out back to back with a 64-byte gap
 CASES = [(8, 1), (8, 4096), (4096, 128), (65536, 16), ((1 << 20) + 5, 1), (4 << 20, 1)]
-
-
-def _put(d: Path, name: str, data: bytes) -> None:
-    (d / f"{name}.tmp").write_bytes(data)
-    (d / f"{name}.tmp").rename(d / name)
-
-
-def _get(d: Path, name: str, timeout: float = 60.0) -> bytes:
-    deadline = time.monotonic() + timeout
-    while not (d / name).exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rendezvous file {name} never appeared")
-        time.sleep(0.01)
-    return (d / name).read_bytes()
 
 
 def _pattern(seed: int, n: int) -> torch.Tensor:
