@@ -343,6 +343,12 @@ bool Status::complete(int code, const std::string& message) {
 
 bool Status::wait_for(int64_t timeout_ms) {
   if (done()) return true;
+  if (waiter_) return waiter_->wait(*this, timeout_ms);
+  return wait_plain(timeout_ms);
+}
+
+bool Status::wait_plain(int64_t timeout_ms) {
+  if (done()) return true;
   if (timeout_ms == 0) return false;
   // A short spin catches small transfers on loopback without a futex sleep.
   for (int i = 0; i < 200; ++i) {

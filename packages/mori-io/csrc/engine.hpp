@@ -69,6 +69,13 @@ int log_level();
 // State of one transfer as the initiator sees it; completed exactly once.
 class Status {
  public:
+  // A backend that can finish the transfer in the waiting thread (XGMI: from its GPU events)
+  // instead of handing the wait to another thread. wait() returns done() as wait_for does.
+  struct Waiter {
+    virtual ~Waiter() = default;
+    virtual bool wait(Status& s, int64_t timeout_ms) = 0;
+  };
+
   int code() const { return code_.load(std::memory_order_acquire); }
   bool done() const {
     int c = code();
@@ -79,8 +86,13 @@ class Status {
   bool complete(int code, const std::string& message);
   // Waits until done; timeout_ms < 0 waits forever, 0 polls. Returns done().
   bool wait_for(int64_t timeout_ms);
+  // Set once, before the status is handed out (wait_for then goes through it).
+  void set_waiter(std::shared_ptr<Waiter> w) { waiter_ = std::move(w); }
+  // The plain wait (condition variable), what a Waiter falls back to when another thread finishes.
+  bool wait_plain(int64_t timeout_ms);
 
  private:
+  std::shared_ptr<Waiter> waiter_;
   std::atomic<int> code_{INIT};
   std::mutex mu_;
   std::condition_variable cv_;

@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "engine.hpp"
+#include "xgmi_queue.hpp"
 
 namespace py = pybind11;
 using namespace mori::io;
@@ -162,6 +163,75 @@ struct SessionPost {
     uint64_t l = u64_of(lo.ptr()), r = u64_of(ro.ptr()), n = u64_of(sz.ptr()), u = u64_of(uid.ptr());
     py::gil_scoped_release nogil;
     return e->post(op, local_id, key, remote_id, {l}, {r}, {n}, u, remote_cpu, remote_size);
+  }
+};
+
+// -- XGMI ----------------------------------------------------------------------------------------
+
+template <typename T>
+T call_at(const py::dict& d, const char* key) {
+  if (!d.contains(key)) return T(nullptr);
+  return reinterpret_cast<T>(d[key].cast<uintptr_t>());
+}
+
+GpuCalls gpu_calls(const py::dict& d) {
+  GpuCalls c;
+  c.memcpy_async = call_at<void*>(d, "memcpy_async");
+  c.memcpy_kind = d.contains("memcpy_kind") ? d["memcpy_kind"].cast<int>() : -1;
+  c.event_record = call_at<decltype(c.event_record)>(d, "event_record");
+  c.stream_wait_event = call_at<decltype(c.stream_wait_event)>(d, "stream_wait_event");
+  c.event_query = call_at<decltype(c.event_query)>(d, "event_query");
+  c.event_synchronize = call_at<decltype(c.event_synchronize)>(d, "event_synchronize");
+  c.event_create = call_at<decltype(c.event_create)>(d, "event_create");
+  c.event_destroy = call_at<decltype(c.event_destroy)>(d, "event_destroy");
+  c.launch_kernel = call_at<decltype(c.launch_kernel)>(d, "launch_kernel");
+  c.get_context = call_at<void*>(d, "get_context");
+  c.set_context = call_at<void*>(d, "set_context");
+  c.context_is_device = d.contains("context_is_device") && d["context_is_device"].cast<bool>();
+  c.error_name = call_at<void*>(d, "error_name");
+  c.error_name_returns_string = d.contains("error_name_returns_string") && d["error_name_returns_string"].cast<bool>();
+  if (d.contains("not_ready")) c.not_ready = d["not_ready"].cast<int>();
+  if (d.contains("event_flags")) c.event_flags = d["event_flags"].cast<unsigned>();
+  if (d.contains("names")) c.names = d["names"].cast<std::map<std::string, std::string>>();
+  return c;
+}
+
+// The fixed half of an IOEngineSession's posts on the XGMI route: both regions' addresses and
+// sizes and their tokens; the caller's current stream comes from `stream_of(device)` per post
+// (torch's current stream). TypeError as SessionPost.
+struct XgmiSessionPost {
+  std::shared_ptr<XgmiQueue> q;
+  uint64_t lbase, lsize, rbase, rsize;
+  bool kernel_ok;
+  GpuTokenPtr local, remote;
+  std::string peer;
+  py::object stream_of;
+  int device;
+
+  void* stream() { return reinterpret_cast<void*>(stream_of(device).cast<uintptr_t>()); }
+  StatusPtr many(bool write, py::handle lo, py::handle ro, py::handle sz, py::handle uid) {
+    static thread_local ListScratch tl;
+    if (tl.busy) throw py::type_error("re-entered");  // an __index__ posting: the checked path
+    tl.busy = true;
+    struct Release {
+      ListScratch& tl;
+      ~Release() { tl.busy = false; }
+    } release{tl};
+    const uint64_t u = u64_of(uid.ptr());
+    u64s_into(lo, tl.v[0]);
+    u64s_into(ro, tl.v[1]);
+    u64s_into(sz, tl.v[2]);
+    if (tl.v[0].size() != tl.v[2].size() || tl.v[1].size() != tl.v[2].size())
+      throw py::type_error("lists of unequal length");
+    void* s = stream();
+    py::gil_scoped_release nogil;
+    return q->post(write, lbase, lsize, rbase, rsize, tl.v[0], tl.v[1], tl.v[2], u, s, kernel_ok, local, remote, peer);
+  }
+  StatusPtr one(bool write, py::handle lo, py::handle ro, py::handle sz, py::handle uid) {
+    const uint64_t l = u64_of(lo.ptr()), r = u64_of(ro.ptr()), n = u64_of(sz.ptr()), u = u64_of(uid.ptr());
+    void* s = stream();
+    py::gil_scoped_release nogil;
+    return q->post(write, lbase, lsize, rbase, rsize, {l}, {r}, {n}, u, s, kernel_ok, local, remote, peer);
   }
 };
 
@@ -419,6 +489,112 @@ PYBIND11_MODULE(_engine, m) {
           "write",
           [](SessionPost& s, py::handle lo, py::handle ro, py::handle sz, py::handle uid) {
             return s.one(kWrite, lo, ro, sz, uid);
+          },
+          py::arg("local_offset"), py::arg("remote_offset"), py::arg("size"), py::arg("uid"));
+
+  py::class_<GpuToken, GpuTokenPtr>(m, "XgmiToken", "A region's validity for XgmiQueue (retire() ends it).")
+      .def_property_readonly("valid", [](const GpuToken& t) { return t.valid.load(); });
+
+  py::class_<XgmiQueue, std::shared_ptr<XgmiQueue>>(
+      m, "XgmiQueue",
+      "The XGMI backend's data path: checks, plans and queues copies and scatter-gather kernel launches with "
+      "the GPU driver's functions, completes statuses from GPU events (csrc/xgmi_queue.hpp).")
+      .def(py::init([](const py::dict& calls, uint64_t context, const std::vector<uintptr_t>& streams,
+                       const std::vector<std::tuple<uintptr_t, uint64_t, uint64_t, uintptr_t>>& tables, int num_events,
+                       uint64_t threshold, int64_t timeout_ms) {
+             XgmiConfig c;
+             c.calls = gpu_calls(calls);
+             c.context = context;
+             for (auto s : streams) c.streams.push_back(reinterpret_cast<void*>(s));
+             for (auto& [host, device, entries, event] : tables)
+               c.tables.push_back(GpuTable{reinterpret_cast<int64_t*>(host), device, entries,
+                                           reinterpret_cast<void*>(event), true});
+             c.num_events = num_events;
+             c.threshold = threshold;
+             c.timeout_ms = timeout_ms;
+             auto q = std::make_shared<XgmiQueue>(std::move(c));
+             py::gil_scoped_release nogil;
+             q->start();
+             return q;
+           }),
+           py::arg("calls"), py::arg("context"), py::arg("streams"), py::arg("tables"), py::arg("num_events"),
+           py::arg("threshold"), py::arg("timeout_ms"),
+           "calls: driver function addresses and conventions (mori.core.gpu.driver.CtypesDriver.native_calls); "
+           "context: the GPU's context (CUDA) or ordinal (HIP); streams: copy streams; tables: (host, device, "
+           "entries, event) of pinned descriptor tables. Raises RuntimeError naming a failed driver call.")
+      .def(
+          "set_kernel",
+          [](XgmiQueue& q, int word, uintptr_t function, unsigned threads, unsigned shared) {
+            q.set_kernel(word, GpuKernel{reinterpret_cast<void*>(function), threads, shared});
+          },
+          py::arg("word"), py::arg("function"), py::arg("threads"), py::arg("shared"),
+          "The loaded scatter-gather kernel for one word width (its driver function handle, threads per "
+          "program, dynamic shared memory).")
+      .def("has_kernel", &XgmiQueue::has_kernel, py::arg("word"))
+      .def_property("threshold", &XgmiQueue::threshold, &XgmiQueue::set_threshold,
+                    "Blocks of a batch from which it goes through the kernel (0: never).")
+      .def("token", [](XgmiQueue&) { return std::make_shared<GpuToken>(); }, "A new region token.")
+      .def("retire", &XgmiQueue::retire, py::arg("token"), py::arg("timeout_ms") = -1,
+           py::call_guard<py::gil_scoped_release>(),
+           "Invalidate the token, then wait until no transfer using it is pending; False on timeout.")
+      .def(
+          "post",
+          [](const std::shared_ptr<XgmiQueue>& q, const std::string& op, uint64_t lbase, uint64_t lsize, uint64_t rbase,
+             uint64_t rsize, py::handle lo, py::handle ro, py::handle sz, py::handle uid, uintptr_t stream,
+             bool kernel_ok, const GpuTokenPtr& local, const GpuTokenPtr& remote, const std::string& peer) {
+            const bool write = op_code(op) == kWrite;
+            std::vector<uint64_t> v[3];
+            const uint64_t u = u64_of(uid.ptr());
+            u64s_into(lo, v[0]);
+            u64s_into(ro, v[1]);
+            u64s_into(sz, v[2]);
+            py::gil_scoped_release nogil;
+            return q->post(write, lbase, lsize, rbase, rsize, v[0], v[1], v[2], u, reinterpret_cast<void*>(stream),
+                           kernel_ok, local, remote, peer);
+          },
+          py::arg("op"), py::arg("local_base"), py::arg("local_size"), py::arg("remote_base"), py::arg("remote_size"),
+          py::arg("local_offsets"), py::arg("remote_offsets"), py::arg("sizes"), py::arg("uid"), py::arg("stream"),
+          py::arg("kernel_ok"), py::arg("local_token"), py::arg("remote_token"), py::arg("peer"),
+          "Start one transfer; returns its TransferStatus (failed at once on a block outside a region). "
+          "TypeError unless the offsets and sizes are lists or tuples of non-negative ints.")
+      .def(
+          "session",
+          [](const std::shared_ptr<XgmiQueue>& q, uint64_t lbase, uint64_t lsize, uint64_t rbase, uint64_t rsize,
+             bool kernel_ok, const GpuTokenPtr& local, const GpuTokenPtr& remote, const std::string& peer,
+             py::object stream_of, int device) {
+            return XgmiSessionPost{q, lbase, lsize, rbase, rsize, kernel_ok, local, remote, peer, std::move(stream_of),
+                                   device};
+          },
+          py::arg("local_base"), py::arg("local_size"), py::arg("remote_base"), py::arg("remote_size"),
+          py::arg("kernel_ok"), py::arg("local_token"), py::arg("remote_token"), py::arg("peer"), py::arg("stream_of"),
+          py::arg("device"), "The fixed half of posts between two regions (IOEngineSession's fast path).")
+      .def("counters", &XgmiQueue::counters, py::call_guard<py::gil_scoped_release>())
+      .def("close", &XgmiQueue::close, py::call_guard<py::gil_scoped_release>(),
+           "Complete every pending transfer, stop the completion thread, destroy the queue's events.");
+
+  py::class_<XgmiSessionPost>(m, "XgmiSessionPost", "Posts between two regions on the XGMI route (XgmiQueue.session).")
+      .def(
+          "batch_read",
+          [](XgmiSessionPost& s, py::handle lo, py::handle ro, py::handle sz, py::handle uid) {
+            return s.many(false, lo, ro, sz, uid);
+          },
+          py::arg("local_offsets"), py::arg("remote_offsets"), py::arg("sizes"), py::arg("uid"))
+      .def(
+          "batch_write",
+          [](XgmiSessionPost& s, py::handle lo, py::handle ro, py::handle sz, py::handle uid) {
+            return s.many(true, lo, ro, sz, uid);
+          },
+          py::arg("local_offsets"), py::arg("remote_offsets"), py::arg("sizes"), py::arg("uid"))
+      .def(
+          "read",
+          [](XgmiSessionPost& s, py::handle lo, py::handle ro, py::handle sz, py::handle uid) {
+            return s.one(false, lo, ro, sz, uid);
+          },
+          py::arg("local_offset"), py::arg("remote_offset"), py::arg("size"), py::arg("uid"))
+      .def(
+          "write",
+          [](XgmiSessionPost& s, py::handle lo, py::handle ro, py::handle sz, py::handle uid) {
+            return s.one(true, lo, ro, sz, uid);
           },
           py::arg("local_offset"), py::arg("remote_offset"), py::arg("size"), py::arg("uid"));
 }

@@ -34,7 +34,7 @@ from mori.io import (
     XgmiBackendConfig,
     xgmi,
 )
-from mori.io.xgmi import Block, XgmiBackend, merge_blocks, word_bytes
+from mori.io.xgmi import XgmiBackend
 from mori.testing.gpu_runtime import load_interpreted, load_module_file
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -62,70 +62,21 @@ def _fill(addr: int, data: bytes) -> None:
 # -- host-side helpers -------------------------------------------------------------------------------------
 
 
-def test_merge_blocks_joins_only_what_continues_on_both_sides() -> None:
-    blocks = merge_blocks([100, 110, 200, 300, 310], [0, 10, 20, 40, 50], [10, 10, 20, 10, 0])
-    # 0+1 continue on both sides; 2 continues the source only; 3 starts anew; 4 is empty
-    assert blocks == [Block(100, 0, 20), Block(200, 20, 20), Block(300, 40, 10)]
-    assert merge_blocks([], [], []) == []
-    with pytest.raises(ValueError):
-        merge_blocks([1], [2, 3], [4])
+@dataclass(frozen=True)
+class Block:
+    """One copy: ``size`` bytes from address ``src`` to ``dst``."""
+
+    dst: int
+    src: int
+    size: int
 
 
-@pytest.mark.parametrize("numpy", [True, False])
-def test_plan_merges_like_merge_blocks(numpy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if not numpy:
-        monkeypatch.setattr(xgmi, "_np", None)  # the pure-Python path
-    rng = random.Random(5)
-    for n in (0, 1, 3, 4, 64, 300):
-        sizes = [rng.choice([0, 8, 64, 4096]) for _ in range(n)]
-        doff, soff, d, s = [], [], 0, 0
-        for size in sizes:  # runs of contiguous blocks broken by gaps on one side or both
-            doff.append(d)
-            soff.append(s)
-            d += size + rng.choice([0, 0, 8])
-            s += size + rng.choice([0, 0, 16])
-        p = xgmi.plan(1 << 20, doff, 1 << 30, soff, sizes)
-        expected = merge_blocks([(1 << 20) + o for o in doff], [(1 << 30) + o for o in soff], sizes)
-        assert p.blocks() == expected
-        assert len(p) == len(expected)
-        if expected:
-            assert p.word() == word_bytes(expected)
-            small, large = p.split(64)
-            assert small.blocks() == [b for b in expected if b.size <= 64]
-            assert large.blocks() == [b for b in expected if b.size > 64]
-            assert p.largest() == max(b.size for b in expected)
-
-
-@pytest.mark.parametrize("n", [3, 64])  # the pure-Python and the numpy paths
-def test_out_of_range_names_the_first_bad_block(n: int) -> None:
-    offs, sizes = [i * 100 for i in range(n)], [100] * n
-    assert xgmi.out_of_range(offs, sizes, n * 100) == ""
-    assert xgmi.out_of_range(offs, sizes, n * 100 - 1) == (
-        f"block {n - 1}: offset {(n - 1) * 100} + size 100 is outside the region ({n * 100 - 1} bytes)"
-    )
-    bad = [*offs[:-2], -5, offs[-1]]
-    assert xgmi.out_of_range(bad, sizes, n * 100).startswith(f"block {n - 2}: offset -5")
-    assert xgmi.out_of_range(offs, [*sizes[:-1], -1], n * 100).startswith(f"block {n - 1}:")
-    assert xgmi.out_of_range(offs[:-1], sizes, n * 100) == f"{n - 1} offsets for {n} sizes"
-    with pytest.raises(TypeError):
-        xgmi.out_of_range([*offs[:-1], 1.5], sizes, n * 100)  # type: ignore[list-item]
-    with pytest.raises(TypeError):
-        xgmi.out_of_range(offs, [True] * n, n * 100)
-
-
-def test_status_codes_match_the_engine() -> None:
-    assert (
-        int(StatusCode.SUCCESS),
-        int(StatusCode.ERR_INVALID_ARGS),
-        int(StatusCode.ERR_GPU_OP),
-    ) == (xgmi._SUCCESS, xgmi._ERR_INVALID_ARGS, xgmi._ERR_GPU_OP)
-
-
-def test_word_bytes_is_the_widest_common_alignment() -> None:
-    assert word_bytes([Block(64, 128, 4096)]) == 8
-    assert word_bytes([Block(64, 128, 4096), Block(4, 8, 16)]) == 4
-    assert word_bytes([Block(2, 8, 6)]) == 2
-    assert word_bytes([Block(64, 129, 4096)]) == 1
+def word_bytes(blocks: list[Block]) -> int:
+    """The widest word (8, 4, 2, 1 bytes) every address and size of ``blocks`` is a multiple of."""
+    acc = 0
+    for blk in blocks:
+        acc |= blk.dst | blk.src | blk.size
+    return next((w for w in (8, 4, 2) if acc % w == 0), 1)
 
 
 def test_threshold_variable_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -224,7 +175,7 @@ _VENDORS: dict[str, dict[str, Any]] = {
 
 def make_vendor(name: str) -> Vendor | None:
     """The GPU device plugin ``name`` of this checkout (or installed) on its fake driver library;
-    None if it is neither installed nor in this checkout. (Also used by xgmi_host_overhead.py.)"""
+    None if it is neither installed nor in this checkout."""
     import importlib
 
     from mori.testing.gpu_runtime import GpuBackend, fake_runtime_class
@@ -303,14 +254,46 @@ def node(vendor: Vendor) -> Iterator[Node]:
     n.close()
 
 
+_LAUNCH = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    ctypes.c_void_p,
+    *[ctypes.c_uint] * 7,
+    ctypes.c_void_p,
+    ctypes.POINTER(ctypes.c_void_p),
+    ctypes.c_void_p,
+)
+
+
 def interpreted_backend_class(sg: ModuleType) -> type[XgmiBackend]:
-    """XgmiBackend whose kernel launches run the interpreted kernel (the fake GPU's memory is host memory)."""
+    """XgmiBackend whose native queue launches the interpreted kernel (the fake GPU's memory is host
+    memory): the 'driver function' of a word width is the width itself, and the launch entry point
+    is a C callback that reads the kernel's parameters the way a driver would."""
 
     class InterpretedXgmi(XgmiBackend):
-        def _launch_kernel(self, stream: int, table: Any, n: int, split: int, word: int) -> None:
-            words = (ctypes.c_int64 * (3 * n)).from_address(table.device)
-            t = torch.frombuffer(words, dtype=torch.int64)
-            sg.scatter_gather_kernel[(n, split)](t, n, split, WORD_BYTES=word, BLOCK=64)
+        launches: list[tuple[int, int, int, int]]  # (word, blocks, split, threads) of each launch
+
+        def _native_calls(self, drv: Any) -> dict[str, Any]:
+            calls = super()._native_calls(drv)
+            self.launches = []
+
+            def launch(f: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shared: int,
+                       stream: Any, params: Any, extra: Any) -> int:  # fmt: skip
+                table = ctypes.c_uint64.from_address(params[0]).value
+                n = ctypes.c_int32.from_address(params[1]).value
+                split = ctypes.c_int32.from_address(params[2]).value
+                assert (gx, gy, gz, by, bz, shared) == (n, split, 1, 1, 1, 0) and extra is None
+                self.launches.append((f, n, split, bx))
+                words = (ctypes.c_int64 * (3 * n)).from_address(table)
+                t = torch.frombuffer(words, dtype=torch.int64)
+                sg.scatter_gather_kernel[(n, split)](t, n, split, WORD_BYTES=f, BLOCK=64)
+                return 0
+
+            self._launch_cb = _LAUNCH(launch)
+            calls["launch_kernel"] = ctypes.cast(self._launch_cb, ctypes.c_void_p).value
+            return calls
+
+        def _load_kernels(self, st: Any) -> dict[int, tuple[int, int, int]]:
+            return {w: (w, 128, 0) for w in (8, 4, 2, 1)}
 
     return InterpretedXgmi
 
@@ -420,6 +403,7 @@ def test_large_blocks_use_copy_engines_next_to_the_kernel(node: Node, sg: Module
         assert _bytes(b.base + lo, n) == data[lo : lo + n]
     c = a.backend.counters
     assert (c["kernel_launches"], c["kernel_blocks"], c["copies"]) == (1, 8, 1)
+    assert a.backend.launches == [(8, 8, 1, 128)]  # word 8, 8 blocks, one program each
     a.backend.close()
     b.backend.close()
 
@@ -477,7 +461,9 @@ def test_concurrent_posts_from_several_threads(
         assert _bytes(b.base + off, 256) == data[off : off + 256]
         assert _bytes(b.base + off + 768, 256) == data[off + 512 : off + 768]
     assert a.backend.counters["transfers"] == 200 and a.backend.counters["copies"] == 400
-    assert len(a.backend._free_events) <= 2  # at most num_events idle events are kept
+    c = a.backend._queue.counters()
+    # 2 events made up front; more only while that many are in use (4 threads x at most 2 streams)
+    assert c["pending"] == 0 and 2 <= c["events"] <= 8
     assert a.rt.lib.calls.count(node.call("ipc_open")) <= 4
     a.backend.close()
     b.backend.close()
@@ -611,56 +597,76 @@ def test_descriptor_tables_are_reused_only_after_their_kernel(
     a = make_side(node, sg, "a", 1000)
     b = make_side(node, sg, "b", 1001)
     connect(a, b)
+    _fill(a.base, bytes(range(256)) * 64)
     offs = [i * 512 for i in range(8)]
 
     def batch(uid: int) -> None:
-        wait_ok(a.backend.post("write", a.desc, offs, b.desc, offs, [256] * 8, uid))
+        wait_ok(a.backend.post("write", a.desc, offs, b.desc, [o + uid for o in offs], [256] * 8, uid))
+        for o in offs:
+            assert _bytes(b.base + o + uid, 256) == (bytes(range(256)) * 64)[o : o + 256]
 
-    batch(1)
-    tables = a.backend._tables
-    assert len(tables) == 1
-    first = tables[0]
-    a.rt.lib.not_ready.add(first.event)  # as if its kernel still ran
-    batch(2)  # must not overwrite a table a kernel may read: a second one
-    assert len(tables) == 2 and tables[0] is first
-    batch(3)  # the second one's kernel is done: reused
-    assert len(tables) == 2
-    a.rt.lib.not_ready.discard(first.event)
-    batch(4)
-    assert len(tables) == 2 and a.backend.counters["kernel_launches"] == 4
+    batch(1)  # table 0 of the ring
+    first = a.backend._tables[0][2]  # its event, recorded after the kernel that read it
+    a.rt.lib.not_ready.add(first)  # as if that kernel still ran
+    for uid in range(2, xgmi.NUM_TABLES + 1):  # the other tables of the ring
+        batch(uid)
+    assert first in a.rt.lib.not_ready  # nobody waited for it yet
+    batch(xgmi.NUM_TABLES + 1)  # table 0 again: only after its kernel (the fake's sync clears it)
+    assert first not in a.rt.lib.not_ready
+    assert a.backend.counters["kernel_launches"] == xgmi.NUM_TABLES + 1
+    # a batch larger than a table: one launch per table's worth of blocks
+    many = [i * 16 for i in range(xgmi.TABLE_ENTRIES + 10)]
+    wait_ok(a.backend.post("write", a.desc, many, b.desc, many, [8] * len(many), 99))
+    assert [n for _, n, _, _ in a.backend.launches[-2:]] == [xgmi.TABLE_ENTRIES, 10]
     a.backend.close()
     b.backend.close()
-    assert first.event not in a.rt.lib.events  # tables (and their events) are freed on close
+    assert first not in a.rt.lib.events  # tables (and their events) are freed on close
 
 
-class _Nowhere:
-    """Stands in for the completion thread's queue: the thread never hears of these transfers."""
+def _held_events(rt: Any) -> Any:
+    """Make the fake driver's event synchronize block while its event is in ``not_ready`` (as a
+    real one blocks while the GPU works); before the backend binds its driver functions."""
+    lib = rt.lib
+    sync = lib.op_event_synchronize
 
-    def put(self, item: Any) -> None:
-        pass
+    def held(name: str, event: int) -> int:
+        deadline = time.monotonic() + 10
+        while event in lib.not_ready and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return int(sync(name, event))
+
+    lib.op_event_synchronize = held
+    return lib
 
 
-def test_wait_completes_the_status_in_the_calling_thread(node: Node, sg: ModuleType) -> None:
-    a = make_side(node, sg, "a", 1000)
+def test_wait_completes_in_the_calling_thread_and_wait_for_polls(node: Node, sg: ModuleType) -> None:
+    rt = node.runtime(1000)
+    lib = _held_events(rt)
+    backend = interpreted_backend_class(sg)("a", "node-a", rt)
+    a = Side(backend, rt, "a", gpu_alloc(rt, MiB + 4096), 0, MiB)
     b = make_side(node, sg, "b", 1001)
     connect(a, b)
-
-    real_queue, a.backend._queue = a.backend._queue, _Nowhere()  # type: ignore[assignment]
     _fill(a.base, b"0123456789abcdef")
     st = a.backend.post("write", a.desc, [0], b.desc, [64], [16], 1)
-    assert type(st).__name__ == "XgmiTransferStatus" and st.InProgress()
     st.Wait()
     assert st.Succeeded() and _bytes(b.base + 64, 16) == b"0123456789abcdef"
-    # WaitFor polls the events: not ready -> False after the timeout, then True once they are
+    # the GPU "still works": WaitFor polls the events -> False after the timeout, True once done
+    lib.not_ready.update(lib.events)
     st = a.backend.post("read", a.desc, [128], b.desc, [64], [16], 2)
-    events = list(st._xgmi[1].events)
-    a.rt.lib.not_ready.update(events)
     assert not st.WaitFor(0) and not st.WaitFor(20) and st.InProgress()
-    a.rt.lib.not_ready.difference_update(events)
+    lib.not_ready.clear()
     assert st.WaitFor(1000) and st.Succeeded() and _bytes(a.base + 128, 16) == b"0123456789abcdef"
-    assert st._xgmi is None and not a.backend._pending
-    # statuses the thread completes (nobody waits) and Wait() on them still work
-    a.backend._queue = real_queue
+    # Wait() blocks until the events are done, wherever the completion happens
+    lib.not_ready.update(lib.events)
+    st = a.backend.post("write", a.desc, [0], b.desc, [256], [16], 3)
+    returned = threading.Event()
+    waiter = threading.Thread(target=lambda: (st.Wait(), returned.set()))
+    waiter.start()
+    assert not returned.wait(0.2) and st.InProgress(), "Wait() returned before the copies finished"
+    lib.not_ready.clear()
+    assert returned.wait(5) and st.Succeeded()
+    waiter.join()
+    # statuses nobody waits for complete by themselves, and Wait() on them returns
     statuses = [a.backend.post("write", a.desc, [0], b.desc, [i * 16], [16], 10 + i) for i in range(8)]
     deadline = time.monotonic() + 5
     while not all(x.Succeeded() for x in statuses) and time.monotonic() < deadline:
@@ -668,115 +674,81 @@ def test_wait_completes_the_status_in_the_calling_thread(node: Node, sg: ModuleT
     for x in statuses:
         x.Wait()
         assert x.Succeeded()
-    assert len(a.backend._free_events) <= a.backend.num_events
+    assert a.backend._queue.counters()["pending"] == 0
     a.backend.close()
     b.backend.close()
 
 
-def test_wait_blocks_while_the_completion_thread_completes_the_status(node: Node, sg: ModuleType) -> None:
-    # Wait() of a transfer the completion thread owns must block until the thread completes it
+def test_deregistration_fails_new_transfers_and_waits_for_those_in_flight(node: Node, sg: ModuleType) -> None:
+    rt = node.runtime(1000)
+    lib = _held_events(rt)
+    backend = interpreted_backend_class(sg)("a", "node-a", rt)
+    a = Side(backend, rt, "a", gpu_alloc(rt, MiB + 4096), 0, MiB)
+    b = make_side(node, sg, "b", 1001)
+    connect(a, b)
+    fast = backend.session_post(a.desc, b.desc)  # what an IOEngineSession posts through
+    wait_ok(fast.write(0, 0, 64, 1))
+    lib.not_ready.update(lib.events)  # the next copy "runs" until cleared
+    st = fast.write(0, 64, 64, 2)
+    done = threading.Event()
+    dereg = threading.Thread(target=lambda: (backend.on_deregister_memory(a.desc), done.set()))
+    dereg.start()
+    assert not done.wait(0.2), "deregistration returned while a transfer on the region was in flight"
+    assert st.InProgress()
+    lib.not_ready.clear()
+    assert done.wait(5)
+    dereg.join()
+    assert st.Succeeded()
+    late = fast.write(0, 128, 64, 3)  # the session still holds the region's address: refused
+    assert late.Failed() and late.Code() == StatusCode.ERR_INVALID_ARGS
+    assert "a region was deregistered" in late.Message()
+    with pytest.raises(MoriBackendError, match="not exported"):
+        backend.post("write", a.desc, [0], b.desc, [0], [8], 4)
+    # the remote side: forgetting the engine retires its mappings the same way
+    fast_b = b.backend.session_post(b.desc, a.desc)
+    b.backend.on_deregister_remote_engine(EngineDesc("a", "node-a", "h", "127.0.0.1", 1, 2))
+    assert fast_b.read(0, 0, 8, 5).Code() == StatusCode.ERR_INVALID_ARGS
+    a.backend.close()
+    b.backend.close()
+
+
+def test_kernel_launch_config_takes_plain_launches_only() -> None:
+    class Meta:
+        num_warps, shared, warp_size = 4, 0, 32
+        global_scratch_size = profile_scratch_size = 0
+        num_ctas = 1
+        launch_cooperative_grid = launch_pdl = False
+
+    class Compiled:
+        metadata = Meta()
+        function = 0
+
+        def _init_handles(self) -> None:
+            self.function = 0xF00
+
+    assert xgmi._kernel_launch_config(Compiled()) == (0xF00, 128, 0)
+    Meta.warp_size = 64  # AMD's wavefronts
+    assert xgmi._kernel_launch_config(Compiled())[1] == 256
+    Meta.global_scratch_size = 256
+    with pytest.raises(MoriBackendError, match="global_scratch_size=256"):
+        xgmi._kernel_launch_config(Compiled())
+
+
+def test_blocks_merge_only_where_they_continue_on_both_sides(node: Node, sg: ModuleType) -> None:
     a = make_side(node, sg, "a", 1000)
     b = make_side(node, sg, "b", 1001)
     connect(a, b)
-
-    real_queue, a.backend._queue = a.backend._queue, _Nowhere()  # type: ignore[assignment]
-    st = a.backend.post("write", a.desc, [0], b.desc, [64], [16], 1)
-    p = st._xgmi[1]
-    assert a.backend._claim(p, xgmi._THREAD)  # as if the completion thread had taken it
-    returned = threading.Event()
-    waiter = threading.Thread(target=lambda: (st.Wait(), returned.set()))
-    waiter.start()
-    assert not returned.wait(0.2) and st.InProgress(), "Wait() returned before the status completed"
-    assert not st.WaitFor(10)
-    a.backend._finish(p, *a.backend._sync(a.backend._dev, p))  # what the thread does
-    assert returned.wait(5) and st.Succeeded()
-    waiter.join()
-    a.backend._queue = real_queue
-    a.backend.close()
-    b.backend.close()
-
-
-def test_large_blocks_can_be_striped_over_streams(
-    node: Node, sg: ModuleType, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("MORI_IO_XGMI_STRIPE_BYTES", "16K")
-    a = make_side(node, sg, "a", 1000, num_streams=3)
-    b = make_side(node, sg, "b", 1001)
-    connect(a, b)
-    assert a.backend.stripe_bytes == 16384
-    data = os.urandom(100_000)
+    data = os.urandom(8192)
     _fill(a.base, data)
-    memcpy = node.call("memcpy")
-    before = a.rt.lib.calls.count(memcpy)
-    st = a.backend.post("write", a.desc, [0], b.desc, [8], [100_000], 1)
-    assert len(st._xgmi[1].events) == 3  # one piece (and event) per stream
-    wait_ok(st)
-    assert a.rt.lib.calls.count(memcpy) - before == 3
-    assert _bytes(b.base + 8, 100_000) == data
-    before = a.rt.lib.calls.count(memcpy)
-    wait_ok(a.backend.post("write", a.desc, [0], b.desc, [8], [20_000], 2))  # < 2 stripes: one copy
-    assert a.rt.lib.calls.count(memcpy) - before == 1
-    assert a.backend._pieces(0, 0, 100_000) == [(0, 0, 36864), (36864, 36864, 36864), (73728, 73728, 26272)]
+    # 0+1 continue on both sides; 2 continues the local side only; 3 is empty; 4 starts anew
+    loffs, roffs, sizes = [0, 100, 200, 300, 300], [1000, 1100, 1300, 1400, 2000], [100, 100, 100, 0, 50]
+    wait_ok(a.backend.post("write", a.desc, loffs, b.desc, roffs, sizes, 1))
+    assert a.backend.counters["copies"] == 3  # [0,200) as one, 200, 300
+    for lo, ro, n in zip(loffs, roffs, sizes, strict=True):
+        assert _bytes(b.base + ro, n) == data[lo : lo + n]
+    wait_ok(a.backend.post("write", a.desc, [0, 8], b.desc, [0, 8], [0, 0], 2))  # nothing to copy
     a.backend.close()
     b.backend.close()
-
-
-def test_kernel_launches_after_the_first_skip_the_triton_binder(
-    node: Node, sg: ModuleType, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The first launch of a word width goes through JITFunction.run; later ones call the
-    compiled kernel's launcher directly, with Triton's launch hooks honoured."""
-    from mori.io import xgmi_kernels
-
-    rt = node.runtime(1000)
-    backend = XgmiBackend("a", "node-a", rt)
-    jit_calls: list[tuple[int, int, int, int]] = []
-    runs: list[tuple[Any, ...]] = []
-
-    class Compiled:
-        function = 0xF00
-        packed_metadata = ("meta",)
-
-        def run(self, *args: Any) -> None:
-            runs.append(args)
-
-        def launch_metadata(self, grid: Any, stream: int, *args: Any) -> dict[str, Any]:
-            return {"grid": grid, "stream": stream}
-
-    def launch_jit(stream: int, table: Any, n: int, split: int, word: int) -> Any:
-        jit_calls.append((stream, n, split, word))
-        return Compiled()
-
-    monkeypatch.setattr(backend, "_launch_jit", launch_jit)
-    table = type("T", (), {"device": 0xABC000})()
-    backend._launch_kernel(7, table, 128, 1, 8)  # type: ignore[arg-type]
-    assert jit_calls == [(7, 128, 1, 8)] and runs == []
-    backend._launch_kernel(9, table, 3, 2, 8)  # type: ignore[arg-type]
-    block = xgmi_kernels.DEFAULT_BLOCK
-    assert runs == [(3, 2, 1, 9, 0xF00, ("meta",), None, None, None, 0xABC000, 3, 2, 8, block)]
-    backend._launch_kernel(9, table, 5, 1, 4)  # another word width: through Triton first
-    assert jit_calls[-1] == (9, 5, 1, 4) and len(runs) == 1
-    # a profiler's launch hook: the launcher gets the hooks and the launch metadata
-    from triton import knobs
-
-    seen: list[Any] = []
-    knobs.runtime.launch_enter_hook.add(seen.append)
-    try:
-        backend._launch_kernel(9, table, 3, 2, 8)  # type: ignore[arg-type]
-    finally:
-        knobs.runtime.launch_enter_hook.remove(seen.append)
-    assert runs[-1][6] == {"grid": (3, 2, 1), "stream": 9} and runs[-1][7] is knobs.runtime.launch_enter_hook
-    # something that is not a compiled kernel: every launch stays on the Triton path
-    monkeypatch.setattr(backend, "_launch_jit", lambda *a: jit_calls.append(a) or None)
-    backend._launchers.clear()
-    backend._launch_kernel(9, table, 3, 2, 8)  # type: ignore[arg-type]
-    backend._launch_kernel(9, table, 3, 2, 8)  # type: ignore[arg-type]
-    assert len(jit_calls) == 4 and not backend._launchers
-    backend.fast_launch = False  # the switch: a compiled kernel, still every launch through Triton
-    monkeypatch.setattr(backend, "_launch_jit", launch_jit)
-    backend._launch_kernel(9, table, 3, 2, 8)  # type: ignore[arg-type]
-    assert len(jit_calls) == 5 and not backend._launchers
-    backend.close()
 
 
 def test_batches_to_another_gpu_of_this_process_use_copy_engines(

@@ -102,6 +102,19 @@ PROTOTYPES: dict[str, Sequence[Any]] = {
     "cuEventQuery": [c_void_p],
     "cuEventSynchronize": [c_void_p],
     "cuEventDestroy_v2": [c_void_p],
+    "cuLaunchKernel": [
+        c_void_p,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_void_p,
+        c_void_p,
+        c_void_p,
+    ],
     "cuGetErrorName": [c_int, _P(c_char_p)],
     "cuGetErrorString": [c_int, _P(c_char_p)],
 }
@@ -145,6 +158,10 @@ class CudaDriver(CtypesDriver):
         "event_destroy": "cuEventDestroy_v2",
         "error_name": "cuGetErrorName",
         "error_string": "cuGetErrorString",
+        "memcpy": "cuMemcpyAsync",
+        "get_context": "cuCtxGetCurrent",
+        "set_context": "cuCtxSetCurrent",
+        "launch_kernel": "cuLaunchKernel",
     }
     PROTOTYPES = PROTOTYPES
     FALLBACKS = _FALLBACKS

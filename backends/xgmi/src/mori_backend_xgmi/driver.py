@@ -99,6 +99,19 @@ PROTOTYPES: dict[str, Sequence[Any]] = {
     "hipEventQuery": [c_void_p],
     "hipEventSynchronize": [c_void_p],
     "hipEventDestroy": [c_void_p],
+    "hipModuleLaunchKernel": [
+        c_void_p,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_void_p,
+        c_void_p,
+        c_void_p,
+    ],
     "hipGetErrorName": [c_int],
     "hipGetErrorString": [c_int],
 }
@@ -146,6 +159,10 @@ class HipDriver(CtypesDriver):
         "event_destroy": "hipEventDestroy",
         "error_name": "hipGetErrorName",
         "error_string": "hipGetErrorString",
+        "memcpy": "hipMemcpyAsync",
+        "get_context": "hipGetDevice",
+        "set_context": "hipSetDevice",
+        "launch_kernel": "hipModuleLaunchKernel",
     }
     PROTOTYPES = PROTOTYPES
     FALLBACKS = _FALLBACKS
@@ -163,6 +180,8 @@ class HipDriver(CtypesDriver):
     IPC_LAZY_ENABLE_PEER_ACCESS = HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
     STREAM_NON_BLOCKING = HIP_STREAM_NON_BLOCKING
     EVENT_DISABLE_TIMING = HIP_EVENT_DISABLE_TIMING
+    MEMCPY_KIND = HIP_MEMCPY_DEFAULT
+    CONTEXT_IS_DEVICE = True
 
     def __init__(self, lib: Any, path: str = DEFAULT_LIBRARY) -> None:
         super().__init__(lib, path)

@@ -1,6 +1,7 @@
 # Stub of the native extension mori.io._engine (csrc/module.cpp); a test keeps it in sync.
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 class StatusCode(enum.IntEnum):
     SUCCESS = 0
@@ -93,6 +94,84 @@ class Engine:
 class SessionPost:
     """Posts between one local and one remote region (Engine.session); TypeError on anything but
     lists or tuples of equal length of non-negative ints."""
+    def batch_read(
+        self,
+        local_offsets: Sequence[int],
+        remote_offsets: Sequence[int],
+        sizes: Sequence[int],
+        uid: int,
+    ) -> TransferStatus: ...
+    def batch_write(
+        self,
+        local_offsets: Sequence[int],
+        remote_offsets: Sequence[int],
+        sizes: Sequence[int],
+        uid: int,
+    ) -> TransferStatus: ...
+    def read(self, local_offset: int, remote_offset: int, size: int, uid: int) -> TransferStatus: ...
+    def write(self, local_offset: int, remote_offset: int, size: int, uid: int) -> TransferStatus: ...
+
+class XgmiToken:
+    """A region's validity for XgmiQueue (retire() ends it)."""
+    @property
+    def valid(self) -> bool: ...
+
+class XgmiQueue:
+    """The XGMI backend's data path (csrc/xgmi_queue.hpp): checks, plans and queues copies and
+    scatter-gather kernel launches with the GPU driver's functions, completes statuses."""
+    def __init__(
+        self,
+        calls: dict[str, Any],
+        context: int,
+        streams: Sequence[int],
+        tables: Sequence[tuple[int, int, int, int]],
+        num_events: int,
+        threshold: int,
+        timeout_ms: int,
+    ) -> None: ...
+    def set_kernel(self, word: int, function: int, threads: int, shared: int) -> None: ...
+    def has_kernel(self, word: int) -> bool: ...
+    @property
+    def threshold(self) -> int: ...
+    @threshold.setter
+    def threshold(self, value: int) -> None: ...
+    def token(self) -> XgmiToken: ...
+    def retire(self, token: XgmiToken, timeout_ms: int = -1) -> bool: ...
+    def post(
+        self,
+        op: str,
+        local_base: int,
+        local_size: int,
+        remote_base: int,
+        remote_size: int,
+        local_offsets: Sequence[int],
+        remote_offsets: Sequence[int],
+        sizes: Sequence[int],
+        uid: int,
+        stream: int,
+        kernel_ok: bool,
+        local_token: XgmiToken,
+        remote_token: XgmiToken,
+        peer: str,
+    ) -> TransferStatus: ...
+    def session(
+        self,
+        local_base: int,
+        local_size: int,
+        remote_base: int,
+        remote_size: int,
+        kernel_ok: bool,
+        local_token: XgmiToken,
+        remote_token: XgmiToken,
+        peer: str,
+        stream_of: Callable[[int], int],
+        device: int,
+    ) -> XgmiSessionPost: ...
+    def counters(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+
+class XgmiSessionPost:
+    """Posts between two regions on the XGMI route (XgmiQueue.session); TypeError as SessionPost."""
     def batch_read(
         self,
         local_offsets: Sequence[int],

@@ -701,27 +701,32 @@ class IOEngineSession:
         self._local = local
         self._remote = remote
         self._key = (local.id, remote.engine_key, remote.id)
-        # Fast path while the route is the TCP backend's: one native call per post, which takes the
-        # caller's lists as they are (no copies) and checks every block (the native engine against
-        # its table and the descriptor, the target against its own). Anything the native side does
-        # not take (TypeError) goes through IOEngine._post, which names the bad argument.
-        # The native engine outlives TCP backends removed and created again, so the check is the
-        # route's type: after a change the first post goes the checked way and caches it again.
-        self._fast: Any = (
-            engine._native.session(
+        # Fast path while the route stays the one cached here: one native call per post, which
+        # takes the caller's lists as they are (no copies) and checks every block. On the TCP
+        # route the native engine checks against its table and the descriptor (the target against
+        # its own); on the XGMI route the backend's native queue checks against both regions.
+        # Anything the native side does not take (TypeError) goes through IOEngine._post, which
+        # names the bad argument. After the route changes (backends removed or created again) the
+        # posts go the checked way.
+        self._route: Any = engine._routes.get(self._key)
+        self._fast: Any = None
+        if type(self._route) is _TcpBackend:
+            self._fast = engine._native.session(
                 local.id, remote.engine_key, remote.id, remote.loc == MemoryLocationType.CPU, remote.size
             )
-            if type(engine._routes.get(self._key)) is _TcpBackend
-            else None
-        )
+        elif hasattr(self._route, "session_post"):
+            try:
+                self._fast = self._route.session_post(local, remote)
+            except MoriBackendError:  # cannot map the remote region now: the checked path fails over
+                self._fast = None
 
     def _usable(self) -> bool:
-        """The fast path still applies: engine open, both ends registered, route the TCP backend."""
+        """The fast path still applies: engine open, both ends registered, the same route."""
         eng = self._engine
         return (
             self._fast is not None
             and not eng._closed
-            and type(eng._routes.get(self._key)) is _TcpBackend
+            and eng._routes.get(self._key) is self._route
             and self._local.id in eng._local
             and self._remote.engine_key in eng._remotes
         )

@@ -143,17 +143,6 @@ MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD = EnvVar(
     _threshold,
     "a whole number >= 0 (0 = never use the kernel)",
 )
-MORI_IO_XGMI_STRIPE_BYTES = EnvVar(
-    "MORI_IO_XGMI_STRIPE_BYTES",
-    "0",
-    "XGMI backend: a block of at least twice this size is cut into pieces of at least this size, "
-    "copied in parallel on up to XgmiBackendConfig.num_streams streams (several copy engines); "
-    "0 copies every block on one stream. Whether it pays depends on the GPU: measure with "
-    "`mori bench io --device cuda`.",
-    "4M",
-    lambda text: 0 if text.strip() == "0" else parse_size(text),
-    "a byte count such as 0, 4194304, 4M (0 = never cut)",
-)
 
 
 ALL: tuple[EnvVar[object], ...] = (
@@ -168,5 +157,4 @@ ALL: tuple[EnvVar[object], ...] = (
     MORI_IO_THP,
     MORI_IO_THP_COLLAPSE_BYTES,
     MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD,
-    MORI_IO_XGMI_STRIPE_BYTES,
 )

@@ -27,6 +27,19 @@ __all__ = ["CtypesDriver", "GpuDriver", "GpuError", "IpcMemHandle"]
 IPC_HANDLE_SIZE = 64
 
 
+#: the base class of every C function object of ctypes (a library's functions, callbacks)
+_C_FUNCTION: Any = ctypes.CFUNCTYPE(None).__base__
+
+
+class _ByRef:
+    """What ``ctypes.byref(obj)`` gives a fake library function: the object as ``._obj``."""
+
+    __slots__ = ("_obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self._obj = obj
+
+
 class IpcMemHandle(ctypes.Structure):
     """An IPC memory handle: 64 opaque bytes, passed by value to the open call."""
 
@@ -125,6 +138,24 @@ class CtypesDriver:
     IPC_LAZY_ENABLE_PEER_ACCESS: ClassVar[int] = 0x1
     STREAM_NON_BLOCKING: ClassVar[int] = 0x1
     EVENT_DISABLE_TIMING: ClassVar[int] = 0x2
+    #: HIP's ``kind`` argument of the async copy (hipMemcpyDefault); None: CUDA's form, without one
+    MEMCPY_KIND: ClassVar[int | None] = None
+    #: whether the ``get_context``/``set_context`` functions take a device ordinal (HIP) rather
+    #: than a context handle (CUDA)
+    CONTEXT_IS_DEVICE: ClassVar[bool] = False
+    #: operations native code may call through :meth:`native_calls` (optional ones may be missing)
+    NATIVE_OPS: ClassVar[tuple[str, ...]] = (
+        "memcpy",
+        "event_record",
+        "stream_wait_event",
+        "event_query",
+        "event_synchronize",
+        "event_create",
+        "event_destroy",
+        "get_context",
+        "set_context",
+    )
+    NATIVE_OPTIONAL: ClassVar[tuple[str, ...]] = ("launch_kernel", "error_name")
 
     def __init__(self, lib: Any, path: str) -> None:
         self.lib = lib
@@ -132,6 +163,8 @@ class CtypesDriver:
         self._fns: dict[str, Callable[..., Any]] = {}
         self._bind_lock = threading.Lock()
         self._initialised = False
+        self._callbacks: list[Any] = []  # C callbacks over a fake library's functions (native_calls)
+        self._error_names: dict[int, Any] = {}
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -151,6 +184,70 @@ class CtypesDriver:
                 self._fns[name] = found
                 return found  # type: ignore[no-any-return]
         raise MoriBackendError(f"{self.path} has no function {name}: {self.TOO_OLD}")
+
+    def native_calls(self) -> dict[str, Any]:
+        """The driver functions of :data:`NATIVE_OPS` for native code that calls the driver without
+        Python (mori.io's XGMI queue): operation -> address of the C function, plus this vendor's
+        conventions (``memcpy_kind``, ``context_is_device``, ``error_name_returns_string``,
+        ``not_ready``, ``event_flags``) and ``names`` (operation -> C name, for messages). A real
+        library's functions are passed as they are; a fake library's (tests) through ctypes
+        callbacks this driver keeps alive. Optional operations (:data:`NATIVE_OPTIONAL`) are left
+        out when the library lacks them; a missing required one raises :class:`MoriBackendError`."""
+        out: dict[str, Any] = {
+            "memcpy_kind": -1 if self.MEMCPY_KIND is None else self.MEMCPY_KIND,
+            "context_is_device": self.CONTEXT_IS_DEVICE,
+            "error_name_returns_string": self.NAMES["error_name"] in self.STRING_RESULT,
+            "not_ready": self.NOT_READY,
+            "event_flags": self.EVENT_DISABLE_TIMING,
+            "names": {},
+        }
+        for op in self.NATIVE_OPS + self.NATIVE_OPTIONAL:
+            name = self.NAMES[op]
+            try:
+                fn = self._fn(name)
+            except MoriBackendError:
+                if op in self.NATIVE_OPTIONAL:
+                    continue
+                raise
+            key = "memcpy_async" if op == "memcpy" else op
+            out[key] = self._address(name, fn)
+            out["names"][key] = name
+        return out
+
+    def _address(self, name: str, fn: Any) -> int:
+        if isinstance(fn, _C_FUNCTION):  # a function of a real library
+            return int(ctypes.cast(fn, c_void_p).value or 0)
+        if name == self.NAMES["error_name"]:
+            return self._error_name_callback()
+        string = name in self.STRING_RESULT
+        proto = ctypes.CFUNCTYPE(c_void_p if string else c_int, *self.PROTOTYPES[name])
+
+        def call(*args: Any) -> Any:  # a fake: out-arguments as byref() gives them (``._obj``)
+            return fn(*(_ByRef(a.contents) if isinstance(a, ctypes._Pointer) else a for a in args))
+
+        cb = proto(call)
+        self._callbacks.append(cb)
+        return int(ctypes.cast(cb, c_void_p).value or 0)
+
+    def _error_name_callback(self) -> int:
+        # a fake's names, from result_name(), in buffers that live as long as this driver
+        def text(code: int) -> int:
+            buf = self._error_names.get(code)
+            if buf is None:
+                buf = self._error_names[code] = ctypes.create_string_buffer(self.result_name(code).encode())
+            return ctypes.addressof(buf)
+
+        if self.NAMES["error_name"] in self.STRING_RESULT:
+            cb: Any = ctypes.CFUNCTYPE(c_void_p, c_int)(text)
+        else:
+
+            def name_out(code: int, out: Any) -> int:
+                out[0] = text(code)
+                return self.SUCCESS
+
+            cb = ctypes.CFUNCTYPE(c_int, c_int, ctypes.POINTER(c_void_p))(name_out)
+        self._callbacks.append(cb)
+        return int(ctypes.cast(cb, c_void_p).value or 0)
 
     def call(self, name: str, *args: Any, detail: str = "") -> None:
         """Call ``name(*args)``; raise the binding's :class:`GpuError` unless it returns success."""
