@@ -512,7 +512,16 @@ PYBIND11_MODULE(_engine, m) {
              c.num_events = num_events;
              c.threshold = threshold;
              c.timeout_ms = timeout_ms;
-             auto q = std::make_shared<XgmiQueue>(std::move(c));
+             // destroyed without the GIL: the destructor waits for the completion thread, which
+             // may call the driver (a test's fake driver is Python)
+             std::shared_ptr<XgmiQueue> q(new XgmiQueue(std::move(c)), [](XgmiQueue* x) {
+               if (PyGILState_Check()) {
+                 py::gil_scoped_release nogil;
+                 delete x;
+               } else {
+                 delete x;
+               }
+             });
              py::gil_scoped_release nogil;
              q->start();
              return q;

@@ -40,20 +40,7 @@ XgmiQueue::XgmiQueue(XgmiConfig cfg) : cfg_(std::move(cfg)), threshold_(cfg_.thr
     throw std::invalid_argument("XgmiQueue: a required driver function is missing");
 }
 
-XgmiQueue::~XgmiQueue() {
-  // close() ran (the backend calls it); a queue dropped without it only stops its thread
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    stop_ = true;
-  }
-  queue_cv_.notify_all();
-  if (thread_.joinable()) {
-    if (thread_.get_id() == std::this_thread::get_id())
-      thread_.detach();  // the last pending held the last reference
-    else
-      thread_.join();
-  }
-}
+XgmiQueue::~XgmiQueue() { close(); }
 
 void XgmiQueue::start() {
   uint64_t prev = 0;
@@ -232,7 +219,7 @@ StatusPtr XgmiQueue::post(bool write, uint64_t lbase, uint64_t lsize, uint64_t r
 
   auto st = std::make_shared<Status>();
   auto p = std::make_shared<GpuPending>();
-  p->q = shared_from_this();
+  p->q = weak_from_this();
   p->status = st;
   p->local = local;
   p->remote = remote;
@@ -357,7 +344,11 @@ void XgmiQueue::finish(GpuPending& p, int code, const std::string& msg) {
   if (auto s = p.status.lock()) s->complete(code, msg);
 }
 
-bool GpuPending::wait(Status& s, int64_t timeout_ms) { return q->wait_pending(*this, timeout_ms) || s.done(); }
+bool GpuPending::wait(Status& s, int64_t timeout_ms) {
+  auto queue = q.lock();
+  if (!queue) return s.wait_plain(timeout_ms);  // closed: every transfer was completed
+  return queue->wait_pending(*this, timeout_ms) || s.done();
+}
 
 bool XgmiQueue::wait_pending(GpuPending& p, int64_t timeout_ms) {
   auto s = p.status.lock();

@@ -93,8 +93,11 @@ constexpr uint64_t kSgMaxSplit = 16;
 
 class XgmiQueue;
 
+// One posted transfer until it completes. Its status's waiter; it does not keep the queue alive
+// (the queue's destructor completes every pending transfer first, so a waiter that finds the
+// queue gone finds its status done).
 struct GpuPending : Status::Waiter {
-  std::shared_ptr<XgmiQueue> q;
+  std::weak_ptr<XgmiQueue> q;
   std::weak_ptr<Status> status;
   std::vector<void*> events;  // pooled, recorded after its copies, one per stream used
   GpuTokenPtr local, remote;
@@ -117,7 +120,7 @@ struct XgmiConfig {
 class XgmiQueue : public std::enable_shared_from_this<XgmiQueue> {
  public:
   explicit XgmiQueue(XgmiConfig cfg);
-  ~XgmiQueue();
+  ~XgmiQueue();  // close()
   XgmiQueue(const XgmiQueue&) = delete;
   XgmiQueue& operator=(const XgmiQueue&) = delete;
 

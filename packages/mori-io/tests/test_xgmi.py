@@ -712,6 +712,19 @@ def test_deregistration_fails_new_transfers_and_waits_for_those_in_flight(node: 
     b.backend.close()
 
 
+def test_a_queue_dropped_without_close_completes_its_transfers_first(node: Node, sg: ModuleType) -> None:
+    a = make_side(node, sg, "a", 1000)
+    b = make_side(node, sg, "b", 1001)
+    connect(a, b)
+    statuses = [a.backend.post("write", a.desc, [0], b.desc, [i * 8], [8], i) for i in range(50)]
+    a.backend._queue = None  # the last reference: the native queue is destroyed here
+    assert all(st.Succeeded() for st in statuses)
+    for st in statuses:
+        st.Wait()  # its waiter finds no queue, and a completed status
+    a.backend.close()
+    b.backend.close()
+
+
 def test_kernel_launch_config_takes_plain_launches_only() -> None:
     class Meta:
         num_warps, shared, warp_size = 4, 0, 32
