@@ -842,7 +842,9 @@ def test_io_engines_route_gpu_memory_through_xgmi(
         _fill(pa, bytes(range(256)) * 64)
         sess = ea.create_session(da, remote)
         assert sess is not None
+        assert type(sess._fast).__name__ == "XgmiSessionPost"  # posts go straight to the native queue
         wait_ok(sess.batch_write([i * 512 for i in range(32)], [i * 1024 for i in range(32)], [256] * 32, 1))
+        assert ba.counters["transfers"] == 1 and ba.counters["kernel_launches"] == 1
         for i in range(32):
             assert _bytes(pb + 8192 + i * 1024, 256) == (bytes(range(256)) * 64)[i * 512 : i * 512 + 256]
         wait_ok(ea.read(da, MiB - 256, remote, 0, 256, ea.allocate_transfer_uid()))

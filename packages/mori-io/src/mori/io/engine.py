@@ -706,11 +706,13 @@ class IOEngineSession:
         # route the native engine checks against its table and the descriptor (the target against
         # its own); on the XGMI route the backend's native queue checks against both regions.
         # Anything the native side does not take (TypeError) goes through IOEngine._post, which
-        # names the bad argument. After the route changes (backends removed or created again) the
-        # posts go the checked way.
+        # names the bad argument. The TCP fast path belongs to the native engine, which outlives
+        # TCP backends removed and created again, so it holds while the route is a TCP backend;
+        # the XGMI one belongs to its backend object. Otherwise posts go the checked way.
         self._route: Any = engine._routes.get(self._key)
+        self._tcp = type(self._route) is _TcpBackend
         self._fast: Any = None
-        if type(self._route) is _TcpBackend:
+        if self._tcp:
             self._fast = engine._native.session(
                 local.id, remote.engine_key, remote.id, remote.loc == MemoryLocationType.CPU, remote.size
             )
@@ -723,10 +725,11 @@ class IOEngineSession:
     def _usable(self) -> bool:
         """The fast path still applies: engine open, both ends registered, the same route."""
         eng = self._engine
+        route = eng._routes.get(self._key)
         return (
             self._fast is not None
             and not eng._closed
-            and eng._routes.get(self._key) is self._route
+            and (route is self._route or (self._tcp and type(route) is _TcpBackend))
             and self._local.id in eng._local
             and self._remote.engine_key in eng._remotes
         )
