@@ -594,6 +594,7 @@ def test_descriptor_tables_are_reused_only_after_their_kernel(
     node: Node, sg: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD", "4")
+    monkeypatch.setattr(xgmi, "TABLE_ENTRIES", 64)  # small tables: a batch of 74 blocks needs two
     a = make_side(node, sg, "a", 1000)
     b = make_side(node, sg, "b", 1001)
     connect(a, b)
@@ -615,9 +616,11 @@ def test_descriptor_tables_are_reused_only_after_their_kernel(
     assert first not in a.rt.lib.not_ready
     assert a.backend.counters["kernel_launches"] == xgmi.NUM_TABLES + 1
     # a batch larger than a table: one launch per table's worth of blocks
-    many = [i * 16 for i in range(xgmi.TABLE_ENTRIES + 10)]
+    many = [i * 16 for i in range(74)]
+    _fill(a.base, os.urandom(74 * 16))
     wait_ok(a.backend.post("write", a.desc, many, b.desc, many, [8] * len(many), 99))
-    assert [n for _, n, _, _ in a.backend.launches[-2:]] == [xgmi.TABLE_ENTRIES, 10]
+    assert [n for _, n, _, _ in a.backend.launches[-2:]] == [64, 10]
+    assert all(_bytes(b.base + o, 8) == _bytes(a.base + o, 8) for o in many)
     a.backend.close()
     b.backend.close()
     assert first not in a.rt.lib.events  # tables (and their events) are freed on close
