@@ -285,14 +285,11 @@ uint64_t random_u64() {
 bool refused_errno(int e) { return e == EPERM || e == EACCES || e == ENOSYS; }
 
 // Device blocks -> one host buffer (to_host), or one host buffer -> device blocks (from_host).
-int stage_out(const DeviceCopier& c, const std::vector<iovec>& dev, int device, std::vector<uint8_t>* buf) {
-  uint64_t total = 0;
-  for (const iovec& v : dev) total += v.iov_len;
-  buf->resize(total);
+int stage_out(const DeviceCopier& c, const std::vector<iovec>& dev, int device, uint8_t* buf) {
   uint64_t off = 0;
   for (const iovec& v : dev) {
     if (v.iov_len) {
-      int rc = c.to_host(c.ctx, buf->data() + off, reinterpret_cast<uintptr_t>(v.iov_base), v.iov_len, device);
+      int rc = c.to_host(c.ctx, buf + off, reinterpret_cast<uintptr_t>(v.iov_base), v.iov_len, device);
       if (rc != 0) return rc;
     }
     off += v.iov_len;
@@ -300,16 +297,22 @@ int stage_out(const DeviceCopier& c, const std::vector<iovec>& dev, int device, 
   return 0;
 }
 
-int stage_in(const DeviceCopier& c, const std::vector<iovec>& dev, int device, const std::vector<uint8_t>& buf) {
+int stage_in(const DeviceCopier& c, const std::vector<iovec>& dev, int device, const uint8_t* buf) {
   uint64_t off = 0;
   for (const iovec& v : dev) {
     if (v.iov_len) {
-      int rc = c.from_host(c.ctx, reinterpret_cast<uintptr_t>(v.iov_base), buf.data() + off, v.iov_len, device);
+      int rc = c.from_host(c.ctx, reinterpret_cast<uintptr_t>(v.iov_base), buf + off, v.iov_len, device);
       if (rc != 0) return rc;
     }
     off += v.iov_len;
   }
   return 0;
+}
+
+uint64_t iov_bytes(const std::vector<iovec>& v) {
+  uint64_t n = 0;
+  for (const iovec& x : v) n += x.iov_len;
+  return n;
 }
 
 }  // namespace
@@ -636,21 +639,24 @@ class Conn : public std::enable_shared_from_this<Conn> {
     if (!cma)
       for (Seg& s : wire) s.addr = 0;  // the target needs our addresses only to attach
     std::vector<iovec> payload;
-    std::vector<uint8_t> staged;
     if (p.op == kWrite && !cma) {
       h.payload_len = p.bytes;
       payload.reserve(p.segs.size());
       for (const Seg& s : p.segs) payload.push_back({reinterpret_cast<void*>(s.addr), s.len});
       if (p.local_loc != 1) {  // device memory: copy the blocks into one host buffer first
-        int rc = stage_out(eng_->device_copier(), payload, p.local_device, &staged);
+        const CopierRef copier = eng_->device_copier();
+        uint8_t* buf = tx_stage_.get(copier, p.bytes);  // under send_mu_, as every send_part
+        int rc = buf ? stage_out(copier.c, payload, p.local_device, buf) : -1;
         if (rc != 0) {
           if (PartPtr mine = take(id))
-            mine->xfer->part_done(ERR_GPU_OP, "copying local device memory to host failed (code " +
-                                                  std::to_string(rc) + ")");
+            mine->xfer->part_done(ERR_GPU_OP, buf ? "copying local device memory to host failed (code " +
+                                                        std::to_string(rc) + ")"
+                                                  : "no host staging buffer of " + std::to_string(p.bytes) +
+                                                        " bytes for local device memory");
           return true;
         }
-        eng_->staged_bytes.fetch_add(int64_t(staged.size()));
-        payload.assign(1, iovec{staged.data(), staged.size()});
+        eng_->staged_bytes.fetch_add(int64_t(p.bytes));
+        payload.assign(1, iovec{buf, p.bytes});
       }
     }
     bool would_block = false;
@@ -736,23 +742,31 @@ class Conn : public std::enable_shared_from_this<Conn> {
         std::vector<iovec> iov;
         iov.reserve(p->segs.size());
         for (const Seg& s : p->segs) iov.push_back({reinterpret_cast<void*>(s.addr), s.len});
-        std::vector<uint8_t> staged;
+        CopierRef copier;
+        uint8_t* buf = nullptr;
         if (p->local_loc == 1) {
           err = recv_iov(fd_, iov, &last_progress_);
         } else {
-          staged.resize(p->bytes);
-          std::vector<iovec> host{{staged.data(), staged.size()}};
-          err = recv_iov(fd_, host, &last_progress_);
+          copier = eng_->device_copier();
+          buf = rx_stage_.get(copier, p->bytes);  // this thread's own
+          if (buf) {
+            std::vector<iovec> host{{buf, p->bytes}};
+            err = recv_iov(fd_, host, &last_progress_);
+          } else {
+            err = drain(fd_, p->bytes);
+          }
         }
         if (!err.empty()) {
           p->xfer->part_done(ERR_BAD_STATE, "receiving read data: " + err);
           fail("receiving read data: " + err);
           return;
         }
-        int rc = p->local_loc == 1 ? 0 : stage_in(eng_->device_copier(), iov, p->local_device, staged);
-        if (p->local_loc != 1) eng_->staged_bytes.fetch_add(int64_t(staged.size()));
+        int rc = p->local_loc == 1 ? 0 : buf ? stage_in(copier.c, iov, p->local_device, buf) : -1;
+        if (p->local_loc != 1) eng_->staged_bytes.fetch_add(int64_t(p->bytes));
         p->xfer->part_done(rc == 0 ? SUCCESS : ERR_GPU_OP,
-                           rc == 0 ? "" : "copying read data to local device memory failed (code " + std::to_string(rc) + ")");
+                           rc == 0   ? ""
+                           : buf     ? "copying read data to local device memory failed (code " + std::to_string(rc) + ")"
+                                     : "no host staging buffer of " + std::to_string(p->bytes) + " bytes for read data");
       } else if (h.type == kAck && h.status == kCmaUnavailable) {
         // Failover: the target cannot attach to us; the same part goes over the socket.
         peer_->cma_ok = false;
@@ -790,6 +804,8 @@ class Conn : public std::enable_shared_from_this<Conn> {
   uint8_t nonce_[16] = {};
   std::thread tx_, rx_;
   std::mutex send_mu_;
+  StageBuffer tx_stage_;  // GPU data to send (under send_mu_)
+  StageBuffer rx_stage_;  // GPU read data received (the receiver thread's)
   std::mutex qmu_;
   std::condition_variable qcv_;
   std::deque<std::pair<uint64_t, PartPtr>> q_;
@@ -1040,19 +1056,45 @@ void Engine::configure_tcp(const TcpConfig& c) {
   tcp_ = c;
 }
 
-void Engine::set_device_copier(const DeviceCopier& c) {
+void Engine::set_device_copier(const DeviceCopier& c, std::shared_ptr<void> owner) {
   std::lock_guard<std::mutex> g(tcp_mu_);
-  copier_ = c;
+  copier_ = CopierRef{c, std::move(owner)};
 }
 
 bool Engine::has_device_copier() {
   std::lock_guard<std::mutex> g(tcp_mu_);
-  return copier_.to_host != nullptr && copier_.from_host != nullptr;
+  return copier_.c.to_host != nullptr && copier_.c.from_host != nullptr;
 }
 
-DeviceCopier Engine::device_copier() {
+CopierRef Engine::device_copier() {
   std::lock_guard<std::mutex> g(tcp_mu_);
   return copier_;
+}
+
+uint8_t* StageBuffer::get(const CopierRef& by, uint64_t n) {
+  if (p_ && n <= cap_ && by.c.ctx == by_.c.ctx && by.c.host_alloc == by_.c.host_alloc) return p_;
+  release();
+  const uint64_t cap = std::max<uint64_t>(n, 1);
+  if (by.c.host_alloc) {
+    p_ = static_cast<uint8_t*>(by.c.host_alloc(by.c.ctx, cap));
+  } else {
+    p_ = static_cast<uint8_t*>(std::malloc(cap));
+  }
+  if (!p_) return nullptr;
+  cap_ = cap;
+  by_ = by;
+  return p_;
+}
+
+void StageBuffer::release() {
+  if (!p_) return;
+  if (by_.c.host_alloc)
+    by_.c.host_free(by_.c.ctx, p_);
+  else
+    std::free(p_);
+  p_ = nullptr;
+  cap_ = 0;
+  by_ = CopierRef{};
 }
 
 TcpConfig Engine::tcp_config() {
@@ -1289,6 +1331,7 @@ void Engine::serve(int fd, std::shared_ptr<std::atomic<bool>> finished) {
       f->store(true);
     }
   } done{fd, finished};
+  StageBuffer stage_buf;  // GPU regions' bytes, through host memory (this thread's)
   Header h;
   std::vector<uint8_t> body;
   // Handshake: the first message must be a HELLO presenting the token, if this engine has one.
@@ -1413,7 +1456,6 @@ void Engine::serve(int fd, std::shared_ptr<std::atomic<bool>> finished) {
       msg = "memory region " + std::to_string(h.mem_id) +
             " is not CPU memory and engine '" + cfg_.key + "' has no device copier for GPU staging";
     }
-    std::vector<uint8_t> stage_buf;
     std::vector<iovec> mine;
     if (code == SUCCESS) {
       mine.reserve(segs.size());
@@ -1457,12 +1499,19 @@ void Engine::serve(int fd, std::shared_ptr<std::atomic<bool>> finished) {
     }
     if (!cma && h.type == kWrite) {
       if (code == SUCCESS && staged) {
-        stage_buf.resize(h.payload_len);
-        std::vector<iovec> host{{stage_buf.data(), stage_buf.size()}};
-        err = recv_iov(fd, host, nullptr);
-        if (err.empty()) {
-          int rc = stage_in(device_copier(), mine, region->device, stage_buf);
-          staged_bytes.fetch_add(int64_t(stage_buf.size()));
+        const CopierRef copier = device_copier();
+        uint8_t* buf = stage_buf.get(copier, h.payload_len);
+        if (!buf) {
+          code = ERR_GPU_OP;
+          msg = "no host staging buffer of " + std::to_string(h.payload_len) + " bytes";
+          err = drain(fd, h.payload_len);
+        } else {
+          std::vector<iovec> host{{buf, h.payload_len}};
+          err = recv_iov(fd, host, nullptr);
+        }
+        if (err.empty() && buf) {
+          int rc = stage_in(copier.c, mine, region->device, buf);
+          staged_bytes.fetch_add(int64_t(h.payload_len));
           if (rc != 0) {
             code = ERR_GPU_OP;
             msg = "copying into device memory failed (code " + std::to_string(rc) + ")";
@@ -1486,15 +1535,19 @@ void Engine::serve(int fd, std::shared_ptr<std::atomic<bool>> finished) {
     rep.body_len = code == SUCCESS ? 0 : uint32_t(msg.size());
     std::vector<iovec>* payload = nullptr;
     if (rep.type == kReadData && code == SUCCESS && staged) {
-      int rc = stage_out(device_copier(), mine, region->device, &stage_buf);
-      staged_bytes.fetch_add(int64_t(stage_buf.size()));
+      const CopierRef copier = device_copier();
+      const uint64_t total = iov_bytes(mine);
+      uint8_t* buf = stage_buf.get(copier, total);
+      int rc = buf ? stage_out(copier.c, mine, region->device, buf) : -1;
+      staged_bytes.fetch_add(int64_t(total));
       if (rc != 0) {
         code = ERR_GPU_OP;
-        msg = "copying device memory to host failed (code " + std::to_string(rc) + ")";
+        msg = buf ? "copying device memory to host failed (code " + std::to_string(rc) + ")"
+                  : "no host staging buffer of " + std::to_string(total) + " bytes";
         rep.status = code;
         rep.body_len = uint32_t(msg.size());
       } else {
-        mine.assign(1, iovec{stage_buf.data(), stage_buf.size()});
+        mine.assign(1, iovec{buf, total});
       }
     }
     if (rep.type == kReadData && code == SUCCESS) {

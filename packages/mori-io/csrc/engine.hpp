@@ -120,10 +120,39 @@ using RegionPtr = std::shared_ptr<Region>;
 // side; pieces on different connections overlap, which pipelines a large transfer). A device
 // plugin provides it (Engine::set_device_copier); both functions are called from engine threads
 // without the GIL and return 0 on success. `device` is the region's device_id.
+// host_alloc/host_free (optional): the staging buffers themselves, pinned so the GPU's copy
+// engines move them directly; without them the buffers are ordinary heap memory.
 struct DeviceCopier {
   int (*to_host)(void* ctx, void* host_dst, uintptr_t device_src, uint64_t nbytes, int device) = nullptr;
   int (*from_host)(void* ctx, uintptr_t device_dst, const void* host_src, uint64_t nbytes, int device) = nullptr;
   void* ctx = nullptr;
+  void* (*host_alloc)(void* ctx, uint64_t nbytes) = nullptr;
+  void (*host_free)(void* ctx, void* ptr) = nullptr;
+};
+
+// A copier and what keeps its context alive (empty for a copier whose context is static).
+struct CopierRef {
+  DeviceCopier c;
+  std::shared_ptr<void> owner;
+};
+
+// A host buffer that device memory is staged through: from the copier's host_alloc (pinned) when
+// it has one, else the heap. Grows, never shrinks; used by one thread at a time.
+class StageBuffer {
+ public:
+  StageBuffer() = default;
+  ~StageBuffer() { release(); }
+  StageBuffer(const StageBuffer&) = delete;
+  StageBuffer& operator=(const StageBuffer&) = delete;
+  // At least n bytes, from `by`'s allocator (a buffer of another copier is let go); nullptr if
+  // that allocation failed.
+  uint8_t* get(const CopierRef& by, uint64_t n);
+
+ private:
+  void release();
+  uint8_t* p_ = nullptr;
+  uint64_t cap_ = 0;
+  CopierRef by_;  // who allocated p_ (kept alive to free it)
 };
 
 struct TcpConfig {
@@ -196,9 +225,10 @@ class Engine {
   const std::string& key() const { return cfg_.key; }
   int64_t cp_timeout_ms() const { return cfg_.cp_timeout_ms; }
   void configure_tcp(const TcpConfig& c);
-  void set_device_copier(const DeviceCopier& c);
+  // `owner` keeps the copier's context alive as long as the engine (and its buffers) use it.
+  void set_device_copier(const DeviceCopier& c, std::shared_ptr<void> owner = {});
   bool has_device_copier();
-  DeviceCopier device_copier();
+  CopierRef device_copier();
   TcpConfig tcp_config();
 
   uint64_t register_memory(uintptr_t addr, uint64_t size, int loc, int device);
@@ -280,7 +310,7 @@ class Engine {
   EngineConfig cfg_;
   std::mutex tcp_mu_;
   TcpConfig tcp_;
-  DeviceCopier copier_;  // guarded by tcp_mu_
+  CopierRef copier_;  // guarded by tcp_mu_
   int listen_fd_ = -1;
   uint16_t port_ = 0;
   std::atomic<bool> stop_{false};

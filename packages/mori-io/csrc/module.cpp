@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "engine.hpp"
+#include "gpu_copier.hpp"
 #include "xgmi_queue.hpp"
 
 namespace py = pybind11;
@@ -190,6 +191,13 @@ GpuCalls gpu_calls(const py::dict& d) {
   c.context_is_device = d.contains("context_is_device") && d["context_is_device"].cast<bool>();
   c.error_name = call_at<void*>(d, "error_name");
   c.error_name_returns_string = d.contains("error_name_returns_string") && d["error_name_returns_string"].cast<bool>();
+  c.stream_create = call_at<decltype(c.stream_create)>(d, "stream_create");
+  c.stream_synchronize = call_at<decltype(c.stream_synchronize)>(d, "stream_synchronize");
+  c.stream_destroy = call_at<decltype(c.stream_destroy)>(d, "stream_destroy");
+  c.host_alloc = call_at<decltype(c.host_alloc)>(d, "host_alloc");
+  c.host_free = call_at<decltype(c.host_free)>(d, "host_free");
+  if (d.contains("stream_flags")) c.stream_flags = d["stream_flags"].cast<unsigned>();
+  if (d.contains("host_alloc_flags")) c.host_alloc_flags = d["host_alloc_flags"].cast<unsigned>();
   if (d.contains("not_ready")) c.not_ready = d["not_ready"].cast<int>();
   if (d.contains("event_flags")) c.event_flags = d["event_flags"].cast<unsigned>();
   if (d.contains("names")) c.names = d["names"].cast<std::map<std::string, std::string>>();
@@ -441,6 +449,17 @@ PYBIND11_MODULE(_engine, m) {
           py::arg("copier"),
           "Install a device plugin's DeviceCopier (csrc/engine.hpp), passed as a capsule named "
           "'mori.io.DeviceCopier' that outlives the engine: the TCP backend then stages GPU memory.")
+      .def(
+          "set_gpu_copier",
+          [](Engine& e, const py::dict& calls, const std::map<int, uint64_t>& contexts) {
+            auto g = std::make_shared<GpuCopier>(gpu_calls(calls), contexts);
+            e.set_device_copier(g->entry_points(), g);
+            return g;
+          },
+          py::arg("calls"), py::arg("contexts"),
+          "Install the staging copier on a GPU driver (csrc/gpu_copier.hpp): calls as for XgmiQueue "
+          "(plus stream_create/stream_synchronize/stream_destroy/host_alloc/host_free), contexts: device "
+          "ordinal -> context (CUDA) or ordinal (HIP). Returns it (its copies count).")
       .def("has_device_copier", &Engine::has_device_copier, "Whether GPU memory can be staged.")
       .def(
           "_install_test_copier",
@@ -491,6 +510,10 @@ PYBIND11_MODULE(_engine, m) {
             return s.one(kWrite, lo, ro, sz, uid);
           },
           py::arg("local_offset"), py::arg("remote_offset"), py::arg("size"), py::arg("uid"));
+
+  py::class_<GpuCopier, std::shared_ptr<GpuCopier>>(
+      m, "GpuCopier", "The TCP backend's staging copier on a GPU driver (Engine.set_gpu_copier).")
+      .def_property_readonly("copies", &GpuCopier::copies, "Pieces copied between device and host.");
 
   py::class_<GpuToken, GpuTokenPtr>(m, "XgmiToken", "A region's validity for XgmiQueue (retire() ends it).")
       .def_property_readonly("valid", [](const GpuToken& t) { return t.valid.load(); });

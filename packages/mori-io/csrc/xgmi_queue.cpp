@@ -81,54 +81,14 @@ bool XgmiQueue::has_kernel(int word) {
 
 // -- driver plumbing ---------------------------------------------------------------------------
 
-std::string XgmiQueue::error(const std::string& op, int rc) {
-  const GpuCalls& c = cfg_.calls;
-  auto it = c.names.find(op);
-  std::string call = it != c.names.end() ? it->second : op;
-  const char* name = nullptr;
-  if (c.error_name) {
-    if (c.error_name_returns_string) {
-      name = reinterpret_cast<const char* (*)(int)>(c.error_name)(rc);
-    } else if (reinterpret_cast<int (*)(int, const char**)>(c.error_name)(rc, &name) != 0) {
-      name = nullptr;
-    }
-  }
-  return call + " failed: " + (name ? std::string(name) + " (" + std::to_string(rc) + ")" : "result " + std::to_string(rc));
-}
+std::string XgmiQueue::error(const std::string& op, int rc) { return gpu_error(cfg_.calls, op, rc); }
 
-int XgmiQueue::make_current(uint64_t* prev) {
-  const GpuCalls& c = cfg_.calls;
-  if (c.context_is_device) {
-    int dev = -1;
-    int rc = reinterpret_cast<int (*)(int*)>(c.get_context)(&dev);
-    if (rc) return rc;
-    *prev = uint64_t(dev);
-    if (uint64_t(dev) == cfg_.context) return 0;
-    return reinterpret_cast<int (*)(int)>(c.set_context)(int(cfg_.context));
-  }
-  void* cur = nullptr;
-  int rc = reinterpret_cast<int (*)(void**)>(c.get_context)(&cur);
-  if (rc) return rc;
-  *prev = reinterpret_cast<uint64_t>(cur);
-  if (*prev == cfg_.context) return 0;
-  return reinterpret_cast<int (*)(void*)>(c.set_context)(reinterpret_cast<void*>(cfg_.context));
-}
+int XgmiQueue::make_current(uint64_t* prev) { return gpu_make_current(cfg_.calls, cfg_.context, prev); }
 
-void XgmiQueue::restore(uint64_t prev) {
-  if (prev == cfg_.context) return;
-  const GpuCalls& c = cfg_.calls;
-  if (c.context_is_device)
-    reinterpret_cast<int (*)(int)>(c.set_context)(int(prev));
-  else
-    reinterpret_cast<int (*)(void*)>(c.set_context)(reinterpret_cast<void*>(prev));
-}
+void XgmiQueue::restore(uint64_t prev) { gpu_restore(cfg_.calls, cfg_.context, prev); }
 
 int XgmiQueue::memcpy(uint64_t dst, uint64_t src, uint64_t n, void* stream) {
-  const GpuCalls& c = cfg_.calls;
-  if (c.memcpy_kind < 0)
-    return reinterpret_cast<int (*)(uint64_t, uint64_t, size_t, void*)>(c.memcpy_async)(dst, src, n, stream);
-  return reinterpret_cast<int (*)(void*, const void*, size_t, int, void*)>(c.memcpy_async)(
-      reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n, c.memcpy_kind, stream);
+  return gpu_memcpy(cfg_.calls, dst, src, n, stream);
 }
 
 void* XgmiQueue::stream_next() { return cfg_.streams[next_stream_++ % cfg_.streams.size()]; }
@@ -333,6 +293,8 @@ StatusPtr XgmiQueue::post(bool write, uint64_t lbase, uint64_t lsize, uint64_t r
 
 void XgmiQueue::finish(GpuPending& p, int code, const std::string& msg) {
   if (p.done.exchange(true)) return;
+  // the status first: whoever waits for the region to go idle (retire, close) then finds it complete
+  if (auto s = p.status.lock()) s->complete(code, msg);
   {
     std::lock_guard<std::mutex> g(mu_);
     free_events_.insert(free_events_.end(), p.events.begin(), p.events.end());
@@ -341,7 +303,6 @@ void XgmiQueue::finish(GpuPending& p, int code, const std::string& msg) {
     pending_--;
   }
   idle_cv_.notify_all();
-  if (auto s = p.status.lock()) s->complete(code, msg);
 }
 
 bool GpuPending::wait(Status& s, int64_t timeout_ms) {

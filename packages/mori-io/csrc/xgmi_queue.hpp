@@ -34,35 +34,9 @@
 #include <vector>
 
 #include "engine.hpp"
+#include "gpu_calls.hpp"
 
 namespace mori::io {
-
-// Driver functions as the device plugin's binding resolved them (addresses of C functions: the real
-// library's, or a test's). Where CUDA and HIP differ, the field says how.
-struct GpuCalls {
-  // CUDA cuMemcpyAsync(u64 dst, u64 src, size_t, stream); HIP hipMemcpyAsync(dst, src, size_t, kind, stream)
-  void* memcpy_async = nullptr;
-  int memcpy_kind = -1;  // -1: the CUDA form; otherwise HIP's `kind` argument (hipMemcpyDefault)
-  int (*event_record)(void* event, void* stream) = nullptr;
-  int (*stream_wait_event)(void* stream, void* event, unsigned flags) = nullptr;
-  int (*event_query)(void* event) = nullptr;
-  int (*event_synchronize)(void* event) = nullptr;
-  int (*event_create)(void** event, unsigned flags) = nullptr;
-  int (*event_destroy)(void* event) = nullptr;
-  // cuLaunchKernel / hipModuleLaunchKernel (same arguments); null: no kernel launches
-  int (*launch_kernel)(void* function, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                       unsigned shared, void* stream, void** params, void** extra) = nullptr;
-  // CUDA cuCtxGetCurrent(void**) / cuCtxSetCurrent(void*); HIP hipGetDevice(int*) / hipSetDevice(int)
-  void* get_context = nullptr;
-  void* set_context = nullptr;
-  bool context_is_device = false;
-  // CUDA cuGetErrorName(int, const char**); HIP const char* hipGetErrorName(int); null: numbers only
-  void* error_name = nullptr;
-  bool error_name_returns_string = false;
-  int not_ready = 600;
-  unsigned event_flags = 2;  // disable timing (same value for CUDA and HIP)
-  std::map<std::string, std::string> names;  // operation -> C function name, for messages
-};
 
 // A pinned host table the scatter-gather kernel reads: int64 [3, entries] (dst, src, size in words).
 struct GpuTable {

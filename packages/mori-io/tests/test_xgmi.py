@@ -227,10 +227,20 @@ def vendor(request: pytest.FixtureRequest) -> Vendor:
 class Node:
     """Fake processes of one node: ``runtime(pid, device)`` makes one, ``close()`` frees them all."""
 
-    def __init__(self, vendor: Vendor) -> None:
+    def __init__(self, vendor: Vendor, sg: ModuleType | None = None) -> None:
         self.vendor = vendor
         self.world = vendor.world_class()
         self.libs: list[Any] = []
+        self.backends: list[XgmiBackend] = []
+        self.sg = sg
+
+    def backend(self, key: str, rt: Any, **kw: Any) -> XgmiBackend:
+        """An interpreted XgmiBackend on ``rt``, closed with the node (also when a test fails:
+        its native threads must not outlive the fake driver they call)."""
+        assert self.sg is not None
+        b = interpreted_backend_class(self.sg)(key, "node-a", rt, **kw)
+        self.backends.append(b)
+        return b
 
     def call(self, op: str) -> str:
         """The C name of driver operation ``op`` (ipc_open, ipc_close, event_synchronize, memcpy)."""
@@ -242,14 +252,16 @@ class Node:
         return self.vendor.runtime_class(lib, device=device, pid=pid)
 
     def close(self) -> None:
+        for b in self.backends:
+            b.close()
         for lib in self.libs:
             lib.close()
         self.world.close()
 
 
 @pytest.fixture
-def node(vendor: Vendor) -> Iterator[Node]:
-    n = Node(vendor)
+def node(vendor: Vendor, sg: ModuleType) -> Iterator[Node]:
+    n = Node(vendor, sg)
     yield n
     n.close()
 
@@ -324,7 +336,7 @@ def make_side(
     node: Node, sg: ModuleType, key: str, pid: int, *, size: int = MiB, offset: int = 0, **kw: Any
 ) -> Side:
     rt = node.runtime(pid, device=pid % 2)
-    backend = interpreted_backend_class(sg)(key, "node-a", rt, **kw)
+    backend = node.backend(key, rt, **kw)
     alloc = gpu_alloc(rt, size + offset + 4096)
     return Side(backend, rt, key, alloc, offset, size)
 
@@ -566,7 +578,7 @@ def test_an_unmappable_region_raises_for_failover(node: Node, sg: ModuleType) ->
 
 def test_same_process_regions_are_used_without_ipc(node: Node, sg: ModuleType) -> None:
     rt = node.runtime(1000)
-    backend = interpreted_backend_class(sg)("a", "node-a", rt)
+    backend = node.backend("a", rt)
     alloc = gpu_alloc(rt, 2 * MiB)
     x = Side(backend, rt, "a", alloc, 0, MiB)
     y = Side(backend, rt, "a", alloc, MiB, MiB)  # another region of the same allocation
@@ -645,7 +657,7 @@ def _held_events(rt: Any) -> Any:
 def test_wait_completes_in_the_calling_thread_and_wait_for_polls(node: Node, sg: ModuleType) -> None:
     rt = node.runtime(1000)
     lib = _held_events(rt)
-    backend = interpreted_backend_class(sg)("a", "node-a", rt)
+    backend = node.backend("a", rt)
     a = Side(backend, rt, "a", gpu_alloc(rt, MiB + 4096), 0, MiB)
     b = make_side(node, sg, "b", 1001)
     connect(a, b)
@@ -685,7 +697,7 @@ def test_wait_completes_in_the_calling_thread_and_wait_for_polls(node: Node, sg:
 def test_deregistration_fails_new_transfers_and_waits_for_those_in_flight(node: Node, sg: ModuleType) -> None:
     rt = node.runtime(1000)
     lib = _held_events(rt)
-    backend = interpreted_backend_class(sg)("a", "node-a", rt)
+    backend = node.backend("a", rt)
     a = Side(backend, rt, "a", gpu_alloc(rt, MiB + 4096), 0, MiB)
     b = make_side(node, sg, "b", 1001)
     connect(a, b)
@@ -772,7 +784,7 @@ def test_batches_to_another_gpu_of_this_process_use_copy_engines(
 ) -> None:
     monkeypatch.setenv("MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD", "2")
     rt = node.runtime(1000, device=0)
-    backend = interpreted_backend_class(sg)("a", "node-a", rt)
+    backend = node.backend("a", rt)
     here = Side(backend, rt, "a", gpu_alloc(rt, MiB), 0, MiB)
     st = rt._state
     with st.active():  # memory of GPU 1, allocated by this same process

@@ -154,6 +154,11 @@ class CtypesDriver:
         "event_destroy",
         "get_context",
         "set_context",
+        "stream_create",
+        "stream_synchronize",
+        "stream_destroy",
+        "host_alloc",
+        "host_free",
     )
     NATIVE_OPTIONAL: ClassVar[tuple[str, ...]] = ("launch_kernel", "error_name")
 
@@ -189,7 +194,7 @@ class CtypesDriver:
         """The driver functions of :data:`NATIVE_OPS` for native code that calls the driver without
         Python (mori.io's XGMI queue): operation -> address of the C function, plus this vendor's
         conventions (``memcpy_kind``, ``context_is_device``, ``error_name_returns_string``,
-        ``not_ready``, ``event_flags``) and ``names`` (operation -> C name, for messages). A real
+        ``not_ready``, ``event_flags``, ``stream_flags``, ``host_alloc_flags``) and ``names`` (operation -> C name, for messages). A real
         library's functions are passed as they are; a fake library's (tests) through ctypes
         callbacks this driver keeps alive. Optional operations (:data:`NATIVE_OPTIONAL`) are left
         out when the library lacks them; a missing required one raises :class:`MoriBackendError`."""
@@ -199,6 +204,8 @@ class CtypesDriver:
             "error_name_returns_string": self.NAMES["error_name"] in self.STRING_RESULT,
             "not_ready": self.NOT_READY,
             "event_flags": self.EVENT_DISABLE_TIMING,
+            "stream_flags": self.STREAM_NON_BLOCKING,
+            "host_alloc_flags": self.HOST_ALLOC_FLAGS,
             "names": {},
         }
         for op in self.NATIVE_OPS + self.NATIVE_OPTIONAL:
