@@ -59,7 +59,15 @@ def test_staged_transfers_are_byte_exact(staged_pair, op, lloc, rloc, count, siz
     assert b._counters()["served_cma"] == 0
 
 
-def test_without_a_copier_gpu_memory_is_refused_on_both_sides(make) -> None:
+def test_without_a_copier_gpu_memory_is_refused_on_both_sides(make, monkeypatch) -> None:
+    from mori.core.errors import MoriBackendError
+    from mori.io import xgmi
+
+    def no_runtime():
+        raise MoriBackendError("no usable GPU runtime (this test)")
+
+    # as on a machine without a GPU runtime: registering GPU memory installs no copier
+    monkeypatch.setattr(xgmi, "find_gpu_runtime", no_runtime)
     a, b = make("a"), make("b")
     a.register_remote_engine(b.get_engine_desc())
     x, y = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
