@@ -49,8 +49,20 @@ DeviceCopier GpuCopier::entry_points() {
   return d;
 }
 
-void* GpuCopier::stream(int device, uint64_t ctx, int* rc) {
-  (void)ctx;  // current already
+void GpuCopier::add_context(int device, uint64_t ctx) {
+  std::lock_guard<std::mutex> g(mu_);
+  contexts_[device] = ctx;
+}
+
+bool GpuCopier::context_of(int device, uint64_t* ctx) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = contexts_.find(device);
+  if (it == contexts_.end()) return false;
+  *ctx = it->second;
+  return true;
+}
+
+void* GpuCopier::stream(int device, int* rc) {
   auto key = std::make_pair(std::this_thread::get_id(), device);
   std::lock_guard<std::mutex> g(mu_);
   auto it = streams_.find(key);
@@ -63,13 +75,11 @@ void* GpuCopier::stream(int device, uint64_t ctx, int* rc) {
 }
 
 int GpuCopier::copy(uint64_t dst, uint64_t src, uint64_t n, int device) {
-  auto it = contexts_.find(device);
-  if (it == contexts_.end()) return -1;
-  const uint64_t ctx = it->second;
-  uint64_t prev = 0;
+  uint64_t ctx = 0, prev = 0;
+  if (!context_of(device, &ctx)) return -1;
   int rc = gpu_make_current(c_, ctx, &prev);
   if (rc) return rc;
-  void* s = stream(device, ctx, &rc);
+  void* s = stream(device, &rc);
   if (s) rc = gpu_memcpy(c_, dst, src, n, s);
   if (rc == 0) rc = c_.stream_synchronize(s);
   gpu_restore(c_, ctx, prev);
@@ -78,8 +88,11 @@ int GpuCopier::copy(uint64_t dst, uint64_t src, uint64_t n, int device) {
 }
 
 void* GpuCopier::alloc_host(uint64_t n) {
-  const uint64_t ctx = contexts_.begin()->second;  // portable: usable with every GPU's context
-  uint64_t prev = 0;
+  uint64_t ctx = 0, prev = 0;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    ctx = contexts_.begin()->second;  // portable: usable with every GPU's context
+  }
   void* p = nullptr;
   if (gpu_make_current(c_, ctx, &prev) != 0) return nullptr;
   if (c_.host_alloc(&p, n, c_.host_alloc_flags) != 0) p = nullptr;
@@ -88,8 +101,11 @@ void* GpuCopier::alloc_host(uint64_t n) {
 }
 
 void GpuCopier::free_host(void* p) {
-  const uint64_t ctx = contexts_.begin()->second;
-  uint64_t prev = 0;
+  uint64_t ctx = 0, prev = 0;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    ctx = contexts_.begin()->second;
+  }
   if (gpu_make_current(c_, ctx, &prev) != 0) return;
   c_.host_free(p);
   gpu_restore(c_, ctx, prev);

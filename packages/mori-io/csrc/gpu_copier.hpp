@@ -21,7 +21,8 @@ namespace mori::io {
 
 class GpuCopier {
  public:
-  // contexts: device ordinal -> its context (CUDA: the primary context; HIP: the ordinal itself).
+  // contexts: device ordinal -> its context (CUDA: the primary context; HIP: the ordinal itself);
+  // more are added as regions on other GPUs are registered (add_context).
   GpuCopier(GpuCalls calls, std::map<int, uint64_t> contexts);
   ~GpuCopier();  // destroys the streams it made
   GpuCopier(const GpuCopier&) = delete;
@@ -34,12 +35,14 @@ class GpuCopier {
   void* alloc_host(uint64_t n);  // pinned; nullptr if the driver refused
   void free_host(void* p);
   int64_t copies() const { return copies_.load(); }
+  void add_context(int device, uint64_t ctx);
 
  private:
-  void* stream(int device, uint64_t ctx, int* rc);  // this thread's stream on `device`
+  void* stream(int device, int* rc);  // this thread's stream on `device` (current already)
+  bool context_of(int device, uint64_t* ctx);
   GpuCalls c_;
+  std::mutex mu_;  // contexts_, streams_
   std::map<int, uint64_t> contexts_;
-  std::mutex mu_;
   std::map<std::pair<std::thread::id, int>, void*> streams_;
   std::atomic<int64_t> copies_{0};
 };

@@ -513,7 +513,9 @@ PYBIND11_MODULE(_engine, m) {
 
   py::class_<GpuCopier, std::shared_ptr<GpuCopier>>(
       m, "GpuCopier", "The TCP backend's staging copier on a GPU driver (Engine.set_gpu_copier).")
-      .def_property_readonly("copies", &GpuCopier::copies, "Pieces copied between device and host.");
+      .def_property_readonly("copies", &GpuCopier::copies, "Pieces copied between device and host.")
+      .def("add_context", &GpuCopier::add_context, py::arg("device"), py::arg("context"),
+           "Copy for one more GPU: its ordinal and context (CUDA) or ordinal (HIP).");
 
   py::class_<GpuToken, GpuTokenPtr>(m, "XgmiToken", "A region's validity for XgmiQueue (retire() ends it).")
       .def_property_readonly("valid", [](const GpuToken& t) { return t.valid.load(); });

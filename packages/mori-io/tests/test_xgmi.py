@@ -893,6 +893,8 @@ def test_tcp_carries_gpu_memory_through_the_runtime_copier(
         da = ea.register_memory(pa, size, 0, MemoryLocationType.GPU)
         db = eb.register_memory(pb, size, 1, MemoryLocationType.GPU)
         assert ea._native.has_device_copier() and eb._native.has_device_copier()
+        # each copies for the GPUs it holds regions on, no other (no context made on the rest)
+        assert ea._device_copier.devices == {0} and eb._device_copier.devices == {1}
         ea.register_remote_engine(eb.get_engine_desc())
         eb.register_remote_engine(ea.get_engine_desc())
         remote = MemoryDesc.unpack(db.pack())

@@ -116,6 +116,7 @@ class GpuCopier:
     """The TCP backend's staging copier on a GPU driver (Engine.set_gpu_copier)."""
     @property
     def copies(self) -> int: ...
+    def add_context(self, device: int, context: int) -> None: ...
 
 class XgmiToken:
     """A region's validity for XgmiQueue (retire() ends it)."""

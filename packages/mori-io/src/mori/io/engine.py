@@ -312,7 +312,7 @@ class IOEngine:
                 "register_memory", "mem_loc", mem_loc, "MemoryLocationType.CPU or MemoryLocationType.GPU"
             )
         if mem_loc == MemoryLocationType.GPU:
-            self._install_device_copier()
+            self._install_device_copier(device_id)
         mid = self._native.register_memory(ptr, size, int(mem_loc), device_id)
         desc = MemoryDesc(self.key, mid, device_id, "", ptr, size, int(mem_loc), -1, b"")
         for b in list(self._backends.values()):
@@ -323,18 +323,29 @@ class IOEngine:
             self._local[mid] = desc
         return desc
 
-    def _install_device_copier(self) -> None:
+    def _install_device_copier(self, device: int) -> None:
         # the TCP backend carries GPU memory once a copier is installed (mori.io.staging): the
-        # first GPU registration installs one on the device plugins' GPU runtime, if there is one
-        if self._device_copier is not None or self._native.has_device_copier():
-            return
+        # first GPU registration installs one on the device plugins' GPU runtime, if there is one;
+        # each GPU it copies for is added on its first registration
         from mori.io import staging, xgmi
 
-        try:
-            self._device_copier = staging.install(self._native, xgmi.find_gpu_runtime())
-        except Exception as e:  # no runtime: GPU pairs route to other backends or fail clearly
-            _log.info("mori.io: the TCP backend will not carry GPU memory: %s", e)
-            self._device_copier = False
+        if self._device_copier is False:
+            return
+        if self._device_copier is None:
+            if self._native.has_device_copier():  # another copier was installed by hand
+                self._device_copier = False
+                return
+            try:
+                self._device_copier = staging.install(self._native, xgmi.find_gpu_runtime())
+            except Exception as e:  # no runtime: GPU pairs route to other backends or fail clearly
+                _log.info("mori.io: the TCP backend will not carry GPU memory: %s", e)
+                self._device_copier = False
+                return
+        if device >= 0:
+            try:
+                self._device_copier.add_device(device)
+            except Exception as e:  # its transfers over TCP then fail with ERR_GPU_OP
+                _log.warning("mori.io: the TCP backend cannot stage memory of GPU %d: %s", device, e)
 
     def register_torch_tensor(self, tensor: Any) -> MemoryDesc:
         """Register a contiguous torch tensor's bytes (CPU: device_id -1, GPU: its device index)."""

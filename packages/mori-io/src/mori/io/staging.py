@@ -17,13 +17,35 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["install"]
+__all__ = ["StagingCopier", "install"]
 
 
-def install(native: Any, runtime: Any) -> Any:
-    """Install the staging copier of ``runtime``'s driver into the native engine ``native``; it
-    copies to and from every GPU this process sees. Returns it (``copies``: pieces copied)."""
-    st = runtime._state if runtime._state is not None else runtime._bind()
-    drv = st.drv
-    contexts = {i: int(drv.primary_context_retain(drv.device(i))) for i in range(drv.device_count())}
-    return native.set_gpu_copier(drv.native_calls(), contexts)
+class StagingCopier:
+    """The native staging copier installed in one engine, and the GPUs it copies for: a GPU is
+    added on the first registration of a region on it (a CUDA context on a GPU this process does
+    not use would cost memory there)."""
+
+    def __init__(self, native: Any, runtime: Any) -> None:
+        st = runtime._state if runtime._state is not None else runtime._bind()
+        self.drv = st.drv
+        self.devices = {st.index}
+        self.native = native.set_gpu_copier(self.drv.native_calls(), {st.index: int(st.ctx)})
+
+    @property
+    def copies(self) -> int:
+        """Pieces copied between device and host memory."""
+        return int(self.native.copies)
+
+    def add_device(self, device: int) -> None:
+        """Copy for GPU ``device`` too (its primary context retained once)."""
+        if device in self.devices:
+            return
+        drv = self.drv
+        self.native.add_context(device, int(drv.primary_context_retain(drv.device(device))))
+        self.devices.add(device)
+
+
+def install(native: Any, runtime: Any) -> StagingCopier:
+    """Install the staging copier of ``runtime``'s driver into the native engine ``native``, for
+    the GPU the runtime is bound to (:meth:`StagingCopier.add_device` adds others)."""
+    return StagingCopier(native, runtime)
