@@ -293,11 +293,14 @@ StatusPtr XgmiQueue::post(bool write, uint64_t lbase, uint64_t lsize, uint64_t r
 
 void XgmiQueue::finish(GpuPending& p, int code, const std::string& msg) {
   if (p.done.exchange(true)) return;
-  // the status first: whoever waits for the region to go idle (retire, close) then finds it complete
+  {  // the events first: a thread that waited for this status may post again at once
+    std::lock_guard<std::mutex> g(mu_);
+    free_events_.insert(free_events_.end(), p.events.begin(), p.events.end());
+  }
+  // then the status: whoever waits for the region to go idle (retire, close) finds it complete
   if (auto s = p.status.lock()) s->complete(code, msg);
   {
     std::lock_guard<std::mutex> g(mu_);
-    free_events_.insert(free_events_.end(), p.events.begin(), p.events.end());
     p.local->inflight--;
     p.remote->inflight--;
     pending_--;
