@@ -1075,7 +1075,7 @@ uint8_t* StageBuffer::get(const CopierRef& by, uint64_t n) {
   if (p_ && n <= cap_ && by.c.ctx == by_.c.ctx && by.c.host_alloc == by_.c.host_alloc) return p_;
   release();
   const uint64_t cap = std::max<uint64_t>(n, 1);
-  if (by.c.host_alloc) {
+  if (by.c.host_alloc && by.c.host_free) {
     p_ = static_cast<uint8_t*>(by.c.host_alloc(by.c.ctx, cap));
   } else {
     p_ = static_cast<uint8_t*>(std::malloc(cap));
@@ -1088,7 +1088,7 @@ uint8_t* StageBuffer::get(const CopierRef& by, uint64_t n) {
 
 void StageBuffer::release() {
   if (!p_) return;
-  if (by_.c.host_alloc)
+  if (by_.c.host_alloc && by_.c.host_free)
     by_.c.host_free(by_.c.ctx, p_);
   else
     std::free(p_);
