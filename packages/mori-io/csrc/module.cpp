@@ -223,7 +223,11 @@ struct XgmiSessionPost {
     tl.busy = true;
     struct Release {
       ListScratch& tl;
-      ~Release() { tl.busy = false; }
+      ~Release() {
+        tl.busy = false;
+        for (auto& x : tl.v)
+          if (x.capacity() > kScratchKeep) std::vector<uint64_t>().swap(x);
+      }
     } release{tl};
     const uint64_t u = u64_of(uid.ptr());
     u64s_into(lo, tl.v[0]);
