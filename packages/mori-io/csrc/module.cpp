@@ -3,6 +3,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <tuple>
+
 #include "engine.hpp"
 #include "gpu_copier.hpp"
 #include "xgmi_queue.hpp"
@@ -107,10 +109,10 @@ struct ListScratch {
 };
 constexpr size_t kScratchKeep = 1 << 16;  // entries kept between calls; beyond that, freed
 
-// Converts the three lists (into per-thread buffers) and posts; the GIL is released for the post.
-StatusPtr post_lists(Engine& e, uint16_t op, uint64_t local_id, const std::string& key, uint64_t remote_id,
-                     py::handle local_offsets, py::handle remote_offsets, py::handle sizes, uint64_t uid,
-                     bool remote_cpu, uint64_t remote_size) {
+// Converts the three lists (into per-thread buffers) and calls post(local, remote, sizes) with the
+// GIL released: the Engine's posts and the XGMI queue's alike.
+template <typename Post>
+StatusPtr with_lists(py::handle local_offsets, py::handle remote_offsets, py::handle sizes, Post&& post) {
   static thread_local ListScratch tl;
   std::vector<uint64_t> own[3];
   const bool mine = !tl.busy;
@@ -135,7 +137,36 @@ StatusPtr post_lists(Engine& e, uint16_t op, uint64_t local_id, const std::strin
   // an __index__ may have resized a list read after it: the Python side names the argument
   if (v[0].size() != v[2].size() || v[1].size() != v[2].size()) throw py::type_error("lists of unequal length");
   py::gil_scoped_release nogil;
-  return e.post(op, local_id, key, remote_id, v[0], v[1], v[2], uid, remote_cpu, remote_size);
+  return post(v[0], v[1], v[2]);
+}
+
+using U64s = std::vector<uint64_t>;
+
+StatusPtr post_lists(Engine& e, uint16_t op, uint64_t local_id, const std::string& key, uint64_t remote_id,
+                     py::handle local_offsets, py::handle remote_offsets, py::handle sizes, uint64_t uid,
+                     bool remote_cpu, uint64_t remote_size) {
+  return with_lists(local_offsets, remote_offsets, sizes, [&](const U64s& lo, const U64s& ro, const U64s& sz) {
+    return e.post(op, local_id, key, remote_id, lo, ro, sz, uid, remote_cpu, remote_size);
+  });
+}
+
+// A session's four posts (read, write, batch_read, batch_write) on a class with many(op, ...) and
+// one(op, ...), op kRead or kWrite.
+template <typename S>
+void def_session_posts(py::class_<S>& c) {
+  const auto lists = std::make_tuple(py::arg("local_offsets"), py::arg("remote_offsets"), py::arg("sizes"),
+                                     py::arg("uid"));
+  const auto one = std::make_tuple(py::arg("local_offset"), py::arg("remote_offset"), py::arg("size"), py::arg("uid"));
+  auto many_of = [](uint16_t op) {
+    return [op](S& s, py::handle lo, py::handle ro, py::handle sz, py::handle uid) { return s.many(op, lo, ro, sz, uid); };
+  };
+  auto one_of = [](uint16_t op) {
+    return [op](S& s, py::handle lo, py::handle ro, py::handle sz, py::handle uid) { return s.one(op, lo, ro, sz, uid); };
+  };
+  std::apply([&](auto... a) { c.def("batch_read", many_of(kRead), a...); }, lists);
+  std::apply([&](auto... a) { c.def("batch_write", many_of(kWrite), a...); }, lists);
+  std::apply([&](auto... a) { c.def("read", one_of(kRead), a...); }, one);
+  std::apply([&](auto... a) { c.def("write", one_of(kWrite), a...); }, one);
 }
 
 // The fixed half of an IOEngineSession's posts, held natively: the (local, remote) pair, so a
@@ -217,33 +248,18 @@ struct XgmiSessionPost {
   int device;
 
   void* stream() { return reinterpret_cast<void*>(stream_of(device).cast<uintptr_t>()); }
-  StatusPtr many(bool write, py::handle lo, py::handle ro, py::handle sz, py::handle uid) {
-    static thread_local ListScratch tl;
-    if (tl.busy) throw py::type_error("re-entered");  // an __index__ posting: the checked path
-    tl.busy = true;
-    struct Release {
-      ListScratch& tl;
-      ~Release() {
-        tl.busy = false;
-        for (auto& x : tl.v)
-          if (x.capacity() > kScratchKeep) std::vector<uint64_t>().swap(x);
-      }
-    } release{tl};
+  StatusPtr many(uint16_t op, py::handle lo, py::handle ro, py::handle sz, py::handle uid) {
     const uint64_t u = u64_of(uid.ptr());
-    u64s_into(lo, tl.v[0]);
-    u64s_into(ro, tl.v[1]);
-    u64s_into(sz, tl.v[2]);
-    if (tl.v[0].size() != tl.v[2].size() || tl.v[1].size() != tl.v[2].size())
-      throw py::type_error("lists of unequal length");
     void* s = stream();
-    py::gil_scoped_release nogil;
-    return q->post(write, lbase, lsize, rbase, rsize, tl.v[0], tl.v[1], tl.v[2], u, s, kernel_ok, local, remote, peer);
+    return with_lists(lo, ro, sz, [&](const U64s& l, const U64s& r, const U64s& n) {
+      return q->post(op == kWrite, lbase, lsize, rbase, rsize, l, r, n, u, s, kernel_ok, local, remote, peer);
+    });
   }
-  StatusPtr one(bool write, py::handle lo, py::handle ro, py::handle sz, py::handle uid) {
+  StatusPtr one(uint16_t op, py::handle lo, py::handle ro, py::handle sz, py::handle uid) {
     const uint64_t l = u64_of(lo.ptr()), r = u64_of(ro.ptr()), n = u64_of(sz.ptr()), u = u64_of(uid.ptr());
     void* s = stream();
     py::gil_scoped_release nogil;
-    return q->post(write, lbase, lsize, rbase, rsize, {l}, {r}, {n}, u, s, kernel_ok, local, remote, peer);
+    return q->post(op == kWrite, lbase, lsize, rbase, rsize, {l}, {r}, {n}, u, s, kernel_ok, local, remote, peer);
   }
 };
 
@@ -487,33 +503,10 @@ PYBIND11_MODULE(_engine, m) {
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>(),
            "Close every connection and stop the threads; pending transfers fail.");
 
-  py::class_<SessionPost>(m, "SessionPost",
-                          "Posts between one local and one remote region (Engine.session); TypeError on "
-                          "anything but lists or tuples of equal length of non-negative ints.")
-      .def(
-          "batch_read",
-          [](SessionPost& s, py::handle lo, py::handle ro, py::handle sz, py::handle uid) {
-            return s.many(kRead, lo, ro, sz, uid);
-          },
-          py::arg("local_offsets"), py::arg("remote_offsets"), py::arg("sizes"), py::arg("uid"))
-      .def(
-          "batch_write",
-          [](SessionPost& s, py::handle lo, py::handle ro, py::handle sz, py::handle uid) {
-            return s.many(kWrite, lo, ro, sz, uid);
-          },
-          py::arg("local_offsets"), py::arg("remote_offsets"), py::arg("sizes"), py::arg("uid"))
-      .def(
-          "read",
-          [](SessionPost& s, py::handle lo, py::handle ro, py::handle sz, py::handle uid) {
-            return s.one(kRead, lo, ro, sz, uid);
-          },
-          py::arg("local_offset"), py::arg("remote_offset"), py::arg("size"), py::arg("uid"))
-      .def(
-          "write",
-          [](SessionPost& s, py::handle lo, py::handle ro, py::handle sz, py::handle uid) {
-            return s.one(kWrite, lo, ro, sz, uid);
-          },
-          py::arg("local_offset"), py::arg("remote_offset"), py::arg("size"), py::arg("uid"));
+  py::class_<SessionPost> session_post(m, "SessionPost",
+                                       "Posts between one local and one remote region (Engine.session); TypeError "
+                                       "on anything but lists or tuples of equal length of non-negative ints.");
+  def_session_posts(session_post);
 
   py::class_<GpuCopier, std::shared_ptr<GpuCopier>>(
       m, "GpuCopier", "The TCP backend's staging copier on a GPU driver (Engine.set_gpu_copier).")
@@ -581,14 +574,11 @@ PYBIND11_MODULE(_engine, m) {
              uint64_t rsize, py::handle lo, py::handle ro, py::handle sz, py::handle uid, uintptr_t stream,
              bool kernel_ok, const GpuTokenPtr& local, const GpuTokenPtr& remote, const std::string& peer) {
             const bool write = op_code(op) == kWrite;
-            std::vector<uint64_t> v[3];
             const uint64_t u = u64_of(uid.ptr());
-            u64s_into(lo, v[0]);
-            u64s_into(ro, v[1]);
-            u64s_into(sz, v[2]);
-            py::gil_scoped_release nogil;
-            return q->post(write, lbase, lsize, rbase, rsize, v[0], v[1], v[2], u, reinterpret_cast<void*>(stream),
-                           kernel_ok, local, remote, peer);
+            return with_lists(lo, ro, sz, [&](const U64s& l, const U64s& r, const U64s& n) {
+              return q->post(write, lbase, lsize, rbase, rsize, l, r, n, u, reinterpret_cast<void*>(stream), kernel_ok,
+                             local, remote, peer);
+            });
           },
           py::arg("op"), py::arg("local_base"), py::arg("local_size"), py::arg("remote_base"), py::arg("remote_size"),
           py::arg("local_offsets"), py::arg("remote_offsets"), py::arg("sizes"), py::arg("uid"), py::arg("stream"),
@@ -610,29 +600,7 @@ PYBIND11_MODULE(_engine, m) {
       .def("close", &XgmiQueue::close, py::call_guard<py::gil_scoped_release>(),
            "Complete every pending transfer, stop the completion thread, destroy the queue's events.");
 
-  py::class_<XgmiSessionPost>(m, "XgmiSessionPost", "Posts between two regions on the XGMI route (XgmiQueue.session).")
-      .def(
-          "batch_read",
-          [](XgmiSessionPost& s, py::handle lo, py::handle ro, py::handle sz, py::handle uid) {
-            return s.many(false, lo, ro, sz, uid);
-          },
-          py::arg("local_offsets"), py::arg("remote_offsets"), py::arg("sizes"), py::arg("uid"))
-      .def(
-          "batch_write",
-          [](XgmiSessionPost& s, py::handle lo, py::handle ro, py::handle sz, py::handle uid) {
-            return s.many(true, lo, ro, sz, uid);
-          },
-          py::arg("local_offsets"), py::arg("remote_offsets"), py::arg("sizes"), py::arg("uid"))
-      .def(
-          "read",
-          [](XgmiSessionPost& s, py::handle lo, py::handle ro, py::handle sz, py::handle uid) {
-            return s.one(false, lo, ro, sz, uid);
-          },
-          py::arg("local_offset"), py::arg("remote_offset"), py::arg("size"), py::arg("uid"))
-      .def(
-          "write",
-          [](XgmiSessionPost& s, py::handle lo, py::handle ro, py::handle sz, py::handle uid) {
-            return s.one(true, lo, ro, sz, uid);
-          },
-          py::arg("local_offset"), py::arg("remote_offset"), py::arg("size"), py::arg("uid"));
+  py::class_<XgmiSessionPost> xgmi_session_post(
+      m, "XgmiSessionPost", "Posts between two regions on the XGMI route (XgmiQueue.session); TypeError as SessionPost.");
+  def_session_posts(xgmi_session_post);
 }
