@@ -58,4 +58,5 @@ def gpu_backend(fake: ModuleType) -> GpuBackend:
         memcpy_call="hipMemcpyAsync",
         context_calls=("hipGetDevice", "hipSetDevice"),
         memcpy_failure=r"hipMemcpyAsync failed: hipErrorUnknown \(700\)",
+        native_conventions=(4, True, True),  # hipMemcpyDefault, the device as context, names as strings
     )

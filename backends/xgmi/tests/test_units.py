@@ -143,38 +143,3 @@ def test_byte_view_shares_memory_and_releases_its_record() -> None:
     del t
     gc.collect()
     assert len(_dlpack._alive) == before
-
-
-def test_native_calls_hand_over_the_c_functions_and_the_conventions(fake: ModuleType) -> None:
-    """What native code (mori.io's XGMI queue) gets: a real library's functions as their addresses,
-    a fake's through C callbacks, and how this vendor's calls differ."""
-    libc = ctypes.CDLL(None)
-
-    class Lib:
-        def __getattr__(self, name: str) -> Any:
-            return libc["labs"]  # a fresh C function object per name, like a real library's
-
-    calls = HipDriver(Lib(), "libc").native_calls()
-    labs = ctypes.cast(libc["labs"], ctypes.c_void_p).value
-    for key, name in {
-        "memcpy_async": "hipMemcpyAsync",
-        "launch_kernel": "hipModuleLaunchKernel",
-        "get_context": "hipGetDevice",
-        "error_name": "hipGetErrorName",
-    }.items():
-        assert calls[key] == labs and calls["names"][key] == name
-    assert (calls["memcpy_kind"], calls["context_is_device"], calls["error_name_returns_string"]) == (
-        4,
-        True,
-        True,
-    )
-    assert calls["not_ready"] == 600 and calls["event_flags"] == 2
-    # a fake library: callbacks that reach its Python functions; no kernel launch there
-    lib = fake.FakeHipLib()
-    calls = HipDriver(lib, "fake").native_calls()
-    assert "launch_kernel" not in calls and calls["event_create"]
-    out = ctypes.c_void_p()
-    create = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint)(
-        calls["event_create"]
-    )
-    assert create(ctypes.byref(out), 2) == 0 and out.value in lib.events

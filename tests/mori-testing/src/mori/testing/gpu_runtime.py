@@ -57,6 +57,7 @@ __all__ = [
     "test_export_a_sub_range_and_open_it_in_another_process",
     "test_export_range_errors",
     "test_fence_synchronises_the_context_and_access_needs_a_device",
+    "test_native_calls_hand_over_the_c_functions_and_the_conventions",
     "test_heap_segment_is_aligned_zeroed_and_exported",
     "test_only_the_static_heap_is_supported",
     "test_opening_a_foreign_handle_fails_clearly",
@@ -98,6 +99,9 @@ class GpuBackend:
     context_calls: tuple[str, ...]
     #: what a failed copy's error says (a regex)
     memcpy_failure: str
+    #: what the driver's native_calls() reports for native code: (memcpy_kind, context_is_device,
+    #: error_name_returns_string); CUDA's forms by default
+    native_conventions: tuple[int, bool, bool] = (-1, False, False)
 
     @property
     def fake_path(self) -> str:
@@ -262,6 +266,44 @@ def _bytes(addr: int, n: int) -> bytes:
 
 def _fill(addr: int, data: bytes) -> None:
     ctypes.memmove(addr, data, len(data))
+
+
+# -- native code's view of the driver --------------------------------------------------------------------
+
+
+def test_native_calls_hand_over_the_c_functions_and_the_conventions(gpu_backend: GpuBackend) -> None:
+    """What native code (mori.io's XGMI queue and staging copier) gets: a real library's functions
+    as their addresses, a fake's through C callbacks, and how this vendor's calls differ."""
+    libc = ctypes.CDLL(None)
+
+    class Lib:
+        def __getattr__(self, name: str) -> Any:
+            return libc["labs"]  # a fresh C function object per name, like a real library's
+
+    calls = gpu_backend.driver_class(Lib(), "libc").native_calls()
+    labs = ctypes.cast(libc["labs"], ctypes.c_void_p).value
+    get_context, set_context = gpu_backend.context_calls
+    for key, name in {
+        "memcpy_async": gpu_backend.memcpy_call,
+        "get_context": get_context,
+        "set_context": set_context,
+        "launch_kernel": gpu_backend.call("launch_kernel"),
+        "error_name": gpu_backend.call("error_name"),
+        "host_alloc": gpu_backend.call("host_alloc"),
+    }.items():
+        assert calls[key] == labs and calls["names"][key] == name
+    conventions = (calls["memcpy_kind"], calls["context_is_device"], calls["error_name_returns_string"])
+    assert conventions == gpu_backend.native_conventions
+    assert calls["not_ready"] == 600 and calls["event_flags"] == 2
+    # a fake library: callbacks that reach its Python functions; no kernel launch there
+    lib = gpu_backend.fake_lib()
+    calls = gpu_backend.driver_class(lib, "fake").native_calls()
+    assert "launch_kernel" not in calls and calls["event_create"]
+    out = ctypes.c_void_p()
+    create = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint)(
+        calls["event_create"]
+    )
+    assert create(ctypes.byref(out), 2) == 0 and out.value in lib.events
 
 
 # -- availability -------------------------------------------------------------------------------------
