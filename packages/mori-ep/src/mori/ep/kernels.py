@@ -938,7 +938,10 @@ def combine_push_kernel(
         epoch = tl.load(ctrl_ptr + EPOCH_C)
     # software pipeline: chunk c + step is pushed (its NVLink stores in flight) while chunk c is
     # reduced, then fenced and flagged. A peer flags c only after reducing c - step, which waited
-    # for this rank's flag of c - step: the chain starts with every program's first push.
+    # for this rank's flag of c - step: the chain starts with every program's first push. That first
+    # push stays outside the loop on purpose: starting the loop a step early instead (its first round
+    # only pushing) measured 3.5 % slower at 24 SMs on 2xH200 (combine 323 vs 334 GB/s, A/B in one
+    # session, docs/benchmarks/ep.md), the same at 132 SMs.
     c = tl.program_id(0)
     if DO_PUSH:  # noqa: SIM102  (a constexpr and a tensor: Triton takes no `and` here)
         if c < n_chunks:
