@@ -257,7 +257,7 @@ class Engine {
   uint64_t next_req_id() { return req_ids_.fetch_add(1) + 1; }
   const EngineConfig& cfg() const { return cfg_; }
   std::atomic<int64_t> served_cma{0}, served_socket{0}, failovers{0}, staged_bytes{0};
-  std::atomic<int64_t> direct_copies{0}, direct_refused{0};
+  std::atomic<int64_t> direct_copies{0}, direct_refused{0}, direct_split{0};
   // Test mode: answer every attach request as if the OS refused it and grant no table (exercises
   // the failover).
   std::atomic<bool> refuse_cma{false};
@@ -277,7 +277,7 @@ class Engine {
   // Direct path, initiator: true if the transfer was handled (its status completed).
   bool direct_post(Direct& d, const std::string& peer_key, uint16_t op, uint64_t remote_id, const std::vector<Seg>& segs,
                    uint64_t uid, bool notify, const StatusPtr& st);
-  // `huge`: the target's region is on huge pages (kEntryHuge), which allows smaller pieces.
+  // `huge`: the target's range is (mostly) on huge pages (TableEntry::huge_lo/hi), which allows smaller pieces.
   int copy_parallel(bool pull, pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t total,
                     bool huge);
   // Direct path, target: the table and its slots.

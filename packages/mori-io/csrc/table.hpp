@@ -40,25 +40,31 @@
 namespace mori::io {
 
 constexpr uint64_t kTableMagic = 0x314c4254494f524dull;  // "MROITBL1"
-constexpr uint32_t kTableVersion = 1;
+constexpr uint32_t kTableVersion = 2;  // 2: entries give the huge-page range, not a flag
 constexpr uint32_t kTableEntries = 16384;
 constexpr uint32_t kTableSlots = 128;
 constexpr uint32_t kRingRecords = 4096;
 constexpr size_t kTablePage = 4096;
 
-// TableEntry::flags: the owner backed the region's 2 MiB-aligned interior with transparent huge
-// pages at registration. process_vm_readv/writev then pins the target's pages 2 MiB at a time
-// instead of one page-table lock per 4 KiB page, so the initiator may cut smaller transfers over
-// several threads without their pinning contending on that lock. A hint for speed only (the
-// kernel may split the pages later); a table written before the field existed reads 0.
-constexpr uint64_t kEntryHuge = 1;
-
+// TableEntry::huge_lo/huge_hi: the part of the region [huge_lo, huge_hi) (absolute addresses, 2 MiB
+// aligned; equal when none) that the owner backed with transparent huge pages at registration.
+// process_vm_readv/writev pins the target's pages there 2 MiB at a time instead of one page-table
+// lock per 4 KiB page, so the initiator may cut smaller transfers over several threads without
+// their pinning contending on that lock. Only that part: the head and tail of a region not
+// aligned to 2 MiB stay on 4 KiB pages, where cutting a transfer makes it slower. A hint for
+// speed only (the kernel may split the pages later).
 struct alignas(64) TableEntry {
   std::atomic<uint64_t> seq;
   std::atomic<uint64_t> id;  // 0: free or retired
   std::atomic<uint64_t> addr;
   std::atomic<uint64_t> size;
-  std::atomic<uint64_t> flags;  // kEntryHuge
+  std::atomic<uint64_t> huge_lo;
+  std::atomic<uint64_t> huge_hi;
+};
+
+// One consistent read of an entry.
+struct EntryView {
+  uint64_t addr = 0, size = 0, huge_lo = 0, huge_hi = 0;
 };
 
 struct TableHeader {
@@ -109,34 +115,34 @@ struct DirectGrant {
 static_assert(sizeof(DirectGrant) == 48, "grant is 48 bytes");
 
 // Owner side: rewrite an entry under its seqlock (callers serialise writers).
-inline void table_write_entry(TableEntry* e, uint64_t id, uint64_t addr, uint64_t size, uint64_t flags = 0) {
+inline void table_write_entry(TableEntry* e, uint64_t id, const EntryView& v) {
   uint64_t s = e->seq.load(std::memory_order_relaxed);
   e->seq.store(s + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
   e->id.store(id, std::memory_order_relaxed);
-  e->addr.store(addr, std::memory_order_relaxed);
-  e->size.store(size, std::memory_order_relaxed);
-  e->flags.store(flags, std::memory_order_relaxed);
+  e->addr.store(v.addr, std::memory_order_relaxed);
+  e->size.store(v.size, std::memory_order_relaxed);
+  e->huge_lo.store(v.huge_lo, std::memory_order_relaxed);
+  e->huge_hi.store(v.huge_hi, std::memory_order_relaxed);
   e->seq.store(s + 2, std::memory_order_release);
 }
 
 // Initiator side: a consistent snapshot of entry `id`; false if the entry holds another id (not
 // published, retired) or the owner kept rewriting it.
-inline bool table_read_entry(const TableEntry* e, uint64_t id, uint64_t* addr, uint64_t* size,
-                             uint64_t* flags = nullptr) {
+inline bool table_read_entry(const TableEntry* e, uint64_t id, EntryView* out) {
   for (int tries = 0; tries < 10000; ++tries) {
     uint64_t s1 = e->seq.load(std::memory_order_acquire);
     if (s1 & 1) continue;
     uint64_t eid = e->id.load(std::memory_order_relaxed);
-    uint64_t a = e->addr.load(std::memory_order_relaxed);
-    uint64_t sz = e->size.load(std::memory_order_relaxed);
-    uint64_t f = e->flags.load(std::memory_order_relaxed);
+    EntryView v;
+    v.addr = e->addr.load(std::memory_order_relaxed);
+    v.size = e->size.load(std::memory_order_relaxed);
+    v.huge_lo = e->huge_lo.load(std::memory_order_relaxed);
+    v.huge_hi = e->huge_hi.load(std::memory_order_relaxed);
     std::atomic_thread_fence(std::memory_order_acquire);
     if (e->seq.load(std::memory_order_relaxed) != s1) continue;
     if (eid != id || id == 0) return false;
-    *addr = a;
-    *size = sz;
-    if (flags) *flags = f;
+    *out = v;
     return true;
   }
   return false;

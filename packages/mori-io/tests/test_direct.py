@@ -375,6 +375,42 @@ def test_registration_puts_cpu_memory_on_huge_pages_without_changing_it(make) ->
     assert a._counters()["direct_copies"] == 2 * len(sizes)
 
 
+def test_transfers_are_cut_over_threads_only_where_the_target_is_on_huge_pages(
+    monkeypatch: pytest.MonkeyPatch, make
+) -> None:
+    """The table gives the part of a region on huge pages; a transfer is cut over threads at the
+    huge-page size (512 KiB) only where at most an eighth of its bytes lie outside it, since on the
+    4 KiB pages of a region's unaligned head two threads pinning one range slow each other down.
+    Every transfer arrives byte-exact either way."""
+    huge = 2 << 20
+    monkeypatch.setenv("MORI_IO_CMA_THREADS", "2")  # whatever this machine's CPU count
+    a, b = make("a"), make("b")
+    a.register_remote_engine(b.get_engine_desc())
+    x = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8)
+    mx = a.register_torch_tensor(x)
+    y = torch.zeros(16 << 20, dtype=torch.uint8)
+    # a region whose first 2 MiB boundary lies 1 MiB in: its head [0, 1 MiB) stays on 4 KiB pages
+    first = (y.data_ptr() + 2 * huge - 1) // huge * huge
+    start = first - (1 << 20)
+    my = b.register_memory(start, 8 << 20, -1, MemoryLocationType.CPU)
+    base = start - y.data_ptr()
+    n = 512 << 10
+    cases = [  # (offset in the region, cut over threads when the interior is on huge pages)
+        (0, False),  # all on the head
+        ((1 << 20) - (n // 2), False),  # half on the head
+        ((1 << 20) - (n // 8), True),  # an eighth on the head
+        (3 << 20, True),  # all in the interior
+    ]
+    on_huge = _thp_available()
+    for i, (off, cut) in enumerate(cases):
+        before = a._counters()["direct_split"]
+        st = a.write(mx, 0, my, off, n, 40 + i)
+        assert st.WaitFor(0) and st.Succeeded(), st.Message()
+        assert torch.equal(y[base + off : base + off + n], x[:n])
+        split = a._counters()["direct_split"] - before
+        assert split == int(cut and on_huge), f"offset {off}: cut over threads {split} times, expected {cut and on_huge}"
+
+
 _NO_THP = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
