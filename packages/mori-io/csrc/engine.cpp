@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -265,6 +266,20 @@ SchedAttr set_slice(uint64_t runtime_ns) {
 }
 
 void request_short_slice() { set_slice(100 * 1000); }  // 0.1 ms, the shortest the kernel accepts
+}  // namespace
+
+bool move_off_cpu(pid_t tid, int cpu) {
+  cpu_set_t allowed;
+  if (cpu < 0 || cpu >= CPU_SETSIZE || ::sched_getaffinity(tid, sizeof allowed, &allowed) != 0) return false;
+  cpu_set_t others = allowed;
+  CPU_CLR(cpu, &others);
+  // The thread leaves the CPU inside the first call; the second gives its mask back as it was.
+  if (CPU_COUNT(&others) == 0 || ::sched_setaffinity(tid, sizeof others, &others) != 0) return false;
+  ::sched_setaffinity(tid, sizeof allowed, &allowed);
+  return true;
+}
+
+namespace {
 
 int pidfd_open(pid_t pid) { return int(::syscall(SYS_pidfd_open, pid, 0)); }
 
@@ -453,15 +468,27 @@ struct Direct {
 // A few threads that copy pieces of one large direct transfer while the posting thread copies
 // the first piece. After a piece a worker spins briefly before sleeping: stop-and-wait transfers
 // come back to back, and a futex wake-up costs more than the spin.
+//
+// A worker is of use only on another CPU than the poster's. The scheduler may wake it onto the
+// poster's CPU (when the other CPUs were busy for that moment) and then leave both there: two
+// threads that never sleep are "cache hot", the load balancer does not move them, and the worker
+// waits for the poster's slice (milliseconds) before it runs at all. Seen on the 2-vCPU CI
+// machine: whole repetitions of 256 transfers of 512 KiB in which the worker sat on the poster's
+// CPU and copied no piece (28-32 GB/s), against 42-47 GB/s when it ran beside it. So a poster
+// that finds a worker last seen on its own CPU moves it to another CPU it may run on
+// (move_off_cpu), at most once a millisecond per pool.
 constexpr int64_t kPoolSpinUs = 200;  // waking an idle (v)CPU through a futex costs tens of microseconds
+constexpr int64_t kPoolMoveEveryNs = 1000000;
 
 class CopyPool {
  public:
   explicit CopyPool(int workers) {
-    for (int i = 0; i < workers; ++i)
-      threads_.emplace_back([this] {
+    for (int i = 0; i < workers; ++i) workers_.push_back(std::make_unique<Worker>());
+    for (auto& w : workers_)
+      w->th = std::thread([this, w = w.get()] {
+        w->tid.store(pid_t(::syscall(SYS_gettid)), std::memory_order_relaxed);
         request_short_slice();
-        loop();
+        loop(*w);
       });
   }
   ~CopyPool() {
@@ -470,10 +497,12 @@ class CopyPool {
       stop_ = true;
     }
     cv_.notify_all();
-    for (auto& t : threads_) t.join();
+    for (auto& w : workers_) w->th.join();
   }
-  int workers() const { return int(threads_.size()); }
+  int workers() const { return int(workers_.size()); }
+  int64_t moves() const { return moves_.load(std::memory_order_relaxed); }
   void run(std::function<void()> f) {
+    move_workers_off(::sched_getcpu());
     {
       std::lock_guard<std::mutex> g(mu_);
       q_.push_back(std::move(f));
@@ -483,12 +512,33 @@ class CopyPool {
   }
 
  private:
-  void loop() {
+  struct Worker {
+    std::thread th;
+    std::atomic<pid_t> tid{0};
+    std::atomic<int> cpu{-1};  // where it last ran
+  };
+  void move_workers_off(int cpu) {
+    for (auto& w : workers_) {
+      if (cpu < 0 || w->cpu.load(std::memory_order_relaxed) != cpu) continue;
+      const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                              std::chrono::steady_clock::now().time_since_epoch())
+                              .count();
+      if (now < next_move_ns_.load(std::memory_order_relaxed)) return;
+      next_move_ns_.store(now + kPoolMoveEveryNs, std::memory_order_relaxed);
+      if (move_off_cpu(w->tid.load(std::memory_order_relaxed), cpu)) {
+        w->cpu.store(-1, std::memory_order_relaxed);
+        moves_.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+  }
+  void loop(Worker& w) {
     for (;;) {
       auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(kPoolSpinUs);
       while (queued_.load(std::memory_order_acquire) == 0 && !stop_.load() &&
-             std::chrono::steady_clock::now() < spin_until)
+             std::chrono::steady_clock::now() < spin_until) {
+        w.cpu.store(::sched_getcpu(), std::memory_order_relaxed);
         std::this_thread::yield();
+      }
       std::function<void()> f;
       {
         std::unique_lock<std::mutex> g(mu_);
@@ -498,15 +548,18 @@ class CopyPool {
         q_.pop_front();
         queued_.fetch_sub(1, std::memory_order_relaxed);
       }
+      w.cpu.store(::sched_getcpu(), std::memory_order_relaxed);
       f();
     }
   }
+  std::vector<std::unique_ptr<Worker>> workers_;
+  std::atomic<int64_t> next_move_ns_{0};
+  std::atomic<int64_t> moves_{0};
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> q_;
   std::atomic<int> queued_{0};
   std::atomic<bool> stop_{false};
-  std::vector<std::thread> threads_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -1268,6 +1321,10 @@ std::map<std::string, int64_t> Engine::counters() {
   c["direct_copies"] = direct_copies.load();
   c["direct_refused"] = direct_refused.load();
   c["direct_split"] = direct_split.load();
+  {
+    std::lock_guard<std::mutex> g(pool_mu_);
+    c["copy_thread_moves"] = pool_ ? pool_->moves() : 0;
+  }
   drain_slots();
   {
     std::lock_guard<std::mutex> g(in_mu_);

@@ -195,6 +195,11 @@ using PartPtr = std::shared_ptr<Part>;
 struct Direct;  // an initiator's view of a peer's shared table (engine.cpp)
 class CopyPool;
 
+// Moves thread `tid` (0: the calling one) to a CPU other than `cpu` among those it may run on,
+// and leaves its affinity mask as it was. False when `cpu` is the only one allowed or the kernel
+// refused.
+bool move_off_cpu(pid_t tid, int cpu);
+
 struct Peer {
   std::string key, host;
   uint16_t port = 0;

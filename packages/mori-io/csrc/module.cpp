@@ -381,6 +381,9 @@ PYBIND11_MODULE(_engine, m) {
   m.def("get_log_level", &log_level, "Native log threshold.");
   m.def("_parse_message", &parse_message, py::arg("data"),
         "Parse one complete wire message (for tests); raises ValueError when malformed.");
+  m.def("_move_off_cpu", &move_off_cpu, py::arg("tid"), py::arg("cpu"),
+        "Move thread `tid` (0: the calling one) off CPU `cpu`, its affinity mask left as it was (for "
+        "tests); False when that is the only CPU it may run on.");
 
   py::class_<Engine>(m, "Engine", "Native engine; mori.io.IOEngine wraps it.")
       .def(py::init([](const std::string& key, const std::string& host, uint16_t port, const std::string& node_id,

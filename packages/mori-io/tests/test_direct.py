@@ -408,7 +408,70 @@ def test_transfers_are_cut_over_threads_only_where_the_target_is_on_huge_pages(
         assert st.WaitFor(0) and st.Succeeded(), st.Message()
         assert torch.equal(y[base + off : base + off + n], x[:n])
         split = a._counters()["direct_split"] - before
-        assert split == int(cut and on_huge), f"offset {off}: cut over threads {split} times, expected {cut and on_huge}"
+        assert split == int(cut and on_huge), (
+            f"offset {off}: cut over threads {split} times, expected {cut and on_huge}"
+        )
+
+
+def _cpu_of(tid: int | str = "thread-self") -> int:
+    """The CPU a thread of this process last ran on (field 39 of its stat)."""
+    path = "/proc/thread-self/stat" if tid == "thread-self" else f"/proc/self/task/{tid}/stat"
+    return int(Path(path).read_text().rsplit(")", 1)[1].split()[36])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to move between")
+def test_move_off_cpu_moves_a_thread_and_gives_its_mask_back() -> None:
+    from mori.io import _engine
+
+    allowed = os.sched_getaffinity(0)
+    here = _cpu_of()
+    assert _engine._move_off_cpu(0, here) is True
+    assert _cpu_of() != here
+    assert os.sched_getaffinity(0) == allowed
+    os.sched_setaffinity(0, {here})
+    try:
+        assert _engine._move_off_cpu(0, here) is False, "moved off the only CPU it may run on"
+        assert os.sched_getaffinity(0) == {here}
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to move between")
+def test_a_copy_thread_on_the_posting_cpu_is_moved_off_it(monkeypatch: pytest.MonkeyPatch, make) -> None:
+    """A copy thread is of use only beside the poster: the poster moves one last seen on its own CPU
+    (the scheduler can leave both there for milliseconds), and the thread keeps its mask."""
+    monkeypatch.setenv("MORI_IO_CMA_THREADS", "2")
+    allowed = os.sched_getaffinity(0)
+    a, b = make("a"), make("b")
+    a.register_remote_engine(b.get_engine_desc())
+    x = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8)
+    y = torch.zeros(16 << 20, dtype=torch.uint8)
+    mx, my = a.register_torch_tensor(x), b.register_torch_tensor(y)
+    n = 4 << 20  # cut over threads whatever the pages
+    here = _cpu_of()
+    before = set(os.listdir("/proc/self/task"))
+    os.sched_setaffinity(0, {here})  # the copy thread starts here, on the poster's CPU
+    try:
+        st = a.write(mx, 0, my, 0, n, 1)  # starts the copy thread
+        assert st.WaitFor(0) and st.Succeeded(), st.Message()
+        new = [int(t) for t in set(os.listdir("/proc/self/task")) - before]
+        assert new, "no copy thread was started"
+        moves, i = 0, 0
+        for i in range(2, 200):
+            for t in new:  # pin every new thread back here, then let it go anywhere
+                os.sched_setaffinity(t, {here})
+                os.sched_setaffinity(t, allowed)
+            time.sleep(0.002)  # let it spin (and publish its CPU) beside the poster
+            st = a.write(mx, 0, my, 0, n, i)
+            assert st.WaitFor(0) and st.Succeeded(), st.Message()
+            moves = a._counters()["copy_thread_moves"]
+            if moves:
+                break
+        assert moves >= 1, "the copy thread was never moved off the posting CPU"
+        assert torch.equal(y[:n], x[:n])
+        assert all(os.sched_getaffinity(t) == allowed for t in new)
+    finally:
+        os.sched_setaffinity(0, allowed)
 
 
 _NO_THP = """
