@@ -196,8 +196,9 @@ struct Direct;  // an initiator's view of a peer's shared table (engine.cpp)
 class CopyPool;
 
 // Moves thread `tid` (0: the calling one) to a CPU other than `cpu` among those it may run on,
-// and leaves its affinity mask as it was. False when `cpu` is the only one allowed or the kernel
-// refused.
+// and leaves its affinity mask as it was (read before, written back after: a mask set for that
+// thread by someone else in between is overwritten). False when `cpu` is the only one allowed or
+// the kernel refused.
 bool move_off_cpu(pid_t tid, int cpu);
 
 struct Peer {
