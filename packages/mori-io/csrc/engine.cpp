@@ -1786,7 +1786,7 @@ std::string Engine::peer_conns(const PeerPtr& p, std::vector<std::shared_ptr<Con
       return err;
     }
   }
-  *out = p->conns;
+  if (out) *out = p->conns;
   *direct = p->direct;
   return "";
 }
@@ -1925,6 +1925,7 @@ StatusPtr Engine::post(uint16_t op, uint64_t local_id, const std::string& peer_k
     st->complete(ERR_INVALID_ARGS, "local: " + err);
     return st;
   }
+  // Holds the pin: the region is unpinned when this goes (after its last part, or on return here).
   auto xfer = std::make_shared<Transfer>();
   xfer->eng = this;
   xfer->st = st;
@@ -1944,9 +1945,10 @@ StatusPtr Engine::post(uint16_t op, uint64_t local_id, const std::string& peer_k
     st->complete(ERR_NOT_FOUND, "remote engine '" + peer_key + "' is not registered");
     return st;
   }
+  // The connections are copied out only for the socket path (a same-host copy needs none of them).
   std::vector<std::shared_ptr<Conn>> conns;
   std::shared_ptr<Direct> direct;
-  err = peer_conns(peer, &conns, &direct);
+  err = peer_conns(peer, nullptr, &direct);
   if (!err.empty()) {
     st->complete(ERR_BAD_STATE, "remote engine '" + peer_key + "': " + err);
     return st;
@@ -1972,6 +1974,11 @@ StatusPtr Engine::post(uint16_t op, uint64_t local_id, const std::string& peer_k
   if ((flags & kFlagCma) && direct && direct->ok.load(std::memory_order_relaxed) &&
       direct_post(*direct, peer_key, op, remote_id, segs, uid, tcp.enable_notification, st))
     return st;
+  err = peer_conns(peer, &conns, &direct);
+  if (!err.empty()) {
+    st->complete(ERR_BAD_STATE, "remote engine '" + peer_key + "': " + err);
+    return st;
+  }
   std::vector<PartPtr> parts;
   auto new_part = [&] {
     auto p = std::make_shared<Part>();

@@ -279,6 +279,7 @@ class Engine {
   void serve(int fd, std::shared_ptr<std::atomic<bool>> finished);
   std::string connect_peer(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out);
   void close_conns(std::vector<std::shared_ptr<Conn>>& conns);
+  // The peer's connections (reconnecting broken ones) into *out unless null, and its direct path.
   std::string peer_conns(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out, std::shared_ptr<Direct>* direct);
   // Direct path, initiator: true if the transfer was handled (its status completed).
   bool direct_post(Direct& d, const std::string& peer_key, uint16_t op, uint64_t remote_id, const std::vector<Seg>& segs,
