@@ -48,6 +48,7 @@ def _after_fork_in_child() -> None:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(native))
         engine._closed = True
         engine._forked = True
+        engine._gen += 1
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -200,6 +201,8 @@ class IOEngine:
         self._uids = itertools.count()
         self._closed = False
         self._forked = False
+        #: bumped whenever a route, a region or a peer goes or the engine closes (sessions recheck)
+        self._gen = 0
         _ENGINES.add(self)
 
     # -- engine and backends ---------------------------------------------------------------------
@@ -260,6 +263,7 @@ class IOEngine:
         with self._lock:
             self._backends[type] = backend
             self._routes.clear()
+            self._gen += 1
 
     def remove_backend(self, type: BackendType) -> None:
         """Disable a data path; later transfers route through the others."""
@@ -269,6 +273,7 @@ class IOEngine:
         with self._lock:
             backend = self._backends.pop(type, None)
             self._routes.clear()
+            self._gen += 1
         if backend is None:
             raise bad_value("remove_backend", "type", type, f"a created backend ({self._backend_names()})")
         backend.close()
@@ -281,6 +286,7 @@ class IOEngine:
         with self._lock:
             self._remotes[desc.key] = desc
             self._routes.clear()
+            self._gen += 1
         for b in list(self._backends.values()):
             b.on_register_remote_engine(desc)
 
@@ -291,6 +297,7 @@ class IOEngine:
         with self._lock:
             known = self._remotes.pop(desc.key, None)
             self._routes = {k: v for k, v in self._routes.items() if k[1] != desc.key}
+            self._gen += 1
         if known is None:
             return
         for b in list(self._backends.values()):
@@ -376,6 +383,7 @@ class IOEngine:
         with self._lock:
             known = self._local.pop(desc.id, None)
             self._routes = {k: v for k, v in self._routes.items() if k[0] != desc.id}
+            self._gen += 1
         if known is None:
             raise bad_value("deregister_memory", "desc.id", desc.id, "a region registered on this engine")
         for b in list(self._backends.values()):
@@ -487,6 +495,7 @@ class IOEngine:
         if self._closed:
             return
         self._closed = True
+        self._gen += 1
         _ENGINES.discard(self)
         for b in list(self._backends.values()):
             b.close()
@@ -652,6 +661,7 @@ class IOEngine:
                 last = e
                 with self._lock:
                     self._routes.pop((local.id, remote.engine_key, remote.id), None)
+                    self._gen += 1
                     self._failed_routes.add((local.id, remote.engine_key, remote.id, id(backend)))
 
     def _batch(
@@ -722,6 +732,7 @@ class IOEngineSession:
         # the XGMI one belongs to its backend object. Otherwise posts go the checked way.
         self._route: Any = engine._routes.get(self._key)
         self._tcp = type(self._route) is _TcpBackend
+        self._checked_gen = -1  # the engine's _gen at the last _usable() that passed
         self._fast: Any = None
         if self._tcp:
             self._fast = engine._native.session(
@@ -734,16 +745,22 @@ class IOEngineSession:
                 self._fast = None
 
     def _usable(self) -> bool:
-        """The fast path still applies: engine open, both ends registered, the same route."""
+        """The fast path still applies: engine open, both ends registered, the same route. Checked
+        in full only when the engine changed since the last check that passed (``_gen``)."""
         eng = self._engine
+        gen = eng._gen
+        if gen == self._checked_gen:
+            return True
         route = eng._routes.get(self._key)
-        return (
+        ok = (
             self._fast is not None
             and not eng._closed
             and (route is self._route or (self._tcp and type(route) is _TcpBackend))
             and self._local.id in eng._local
             and self._remote.engine_key in eng._remotes
         )
+        self._checked_gen = gen if ok else -1
+        return ok
 
     def allocate_transfer_uid(self) -> int:
         return self._engine.allocate_transfer_uid()
