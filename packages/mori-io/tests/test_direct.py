@@ -413,10 +413,9 @@ def test_transfers_are_cut_over_threads_only_where_the_target_is_on_huge_pages(
         )
 
 
-def _cpu_of(tid: int | str = "thread-self") -> int:
-    """The CPU a thread of this process last ran on (field 39 of its stat)."""
-    path = "/proc/thread-self/stat" if tid == "thread-self" else f"/proc/self/task/{tid}/stat"
-    return int(Path(path).read_text().rsplit(")", 1)[1].split()[36])
+def _cpu_of() -> int:
+    """The CPU the calling thread last ran on (field 39 of its stat)."""
+    return int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to move between")
@@ -456,7 +455,7 @@ def test_a_copy_thread_on_the_posting_cpu_is_moved_off_it(monkeypatch: pytest.Mo
         assert st.WaitFor(0) and st.Succeeded(), st.Message()
         new = [int(t) for t in set(os.listdir("/proc/self/task")) - before]
         assert new, "no copy thread was started"
-        moves, i = 0, 0
+        moves = 0
         for i in range(2, 200):
             for t in new:  # pin every new thread back here, then let it go anywhere
                 os.sched_setaffinity(t, {here})
