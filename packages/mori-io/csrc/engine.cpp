@@ -1,11 +1,11 @@
-// See engine.hpp for the design. Everything here runs without the GIL.
+// See engine.hpp for the design. Everything here runs without the GIL. The target side (listeners,
+// handshake, serving requests) is in server.cpp, the wire helpers in wire.cpp.
 #include "engine.hpp"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <sched.h>
 #include <sys/mman.h>
@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,6 +25,11 @@
 #include <functional>
 #include <random>
 #include <stdexcept>
+#include <system_error>
+
+#include "auth.hpp"
+#include "log.hpp"
+#include "wire.hpp"
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
@@ -33,210 +39,9 @@ namespace mori::io {
 
 namespace {
 
-std::atomic<int> g_log_level{30};
-
-#define MORI_IO_LOG(level, ...)                        \
-  do {                                                 \
-    if ((level) >= g_log_level.load()) {               \
-      std::fprintf(stderr, "[mori.io] " __VA_ARGS__); \
-      std::fputc('\n', stderr);                        \
-    }                                                  \
-  } while (0)
-
-int64_t now_ms() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-std::string errno_text(int e) { return std::string(strerror(e)) + " (errno " + std::to_string(e) + ")"; }
-
-constexpr size_t kIovBatch = 1024;  // IOV_MAX on Linux
-const char* const kTimedOut = "timed out";  // a socket send/receive timeout (SO_SNDTIMEO/SO_RCVTIMEO) fired
-
-// Moves `total` bytes through sendmsg/readv-like calls over an iovec list, advancing on partial
-// progress. `fn(iov, n)` returns bytes moved or -1 with errno. On failure returns the reason.
-template <typename Fn>
-std::string move_iov(std::vector<iovec>& iov, Fn fn, std::atomic<int64_t>* progress) {
-  size_t i = 0;
-  while (i < iov.size()) {
-    if (iov[i].iov_len == 0) {
-      ++i;
-      continue;
-    }
-    size_t n = std::min(kIovBatch, iov.size() - i);
-    ssize_t r = fn(&iov[i], n);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return kTimedOut;
-      return errno_text(errno);
-    }
-    if (r == 0) return "connection closed by peer";
-    if (progress) progress->store(now_ms(), std::memory_order_relaxed);
-    size_t left = size_t(r);
-    while (left > 0 && i < iov.size()) {
-      if (left >= iov[i].iov_len) {
-        left -= iov[i].iov_len;
-        iov[i].iov_len = 0;
-        ++i;
-      } else {
-        iov[i].iov_base = static_cast<char*>(iov[i].iov_base) + left;
-        iov[i].iov_len -= left;
-        left = 0;
-      }
-    }
-  }
-  return "";
-}
-
-std::string send_iov(int fd, std::vector<iovec>& iov, std::atomic<int64_t>* progress) {
-  return move_iov(
-      iov,
-      [fd](iovec* v, size_t n) {
-        msghdr m{};
-        m.msg_iov = v;
-        m.msg_iovlen = n;
-        return ::sendmsg(fd, &m, MSG_NOSIGNAL);
-      },
-      progress);
-}
-
-std::string recv_iov(int fd, std::vector<iovec>& iov, std::atomic<int64_t>* progress) {
-  return move_iov(iov, [fd](iovec* v, size_t n) { return ::readv(fd, v, int(n)); }, progress);
-}
-
-std::string recv_all(int fd, void* buf, size_t len) {
-  std::vector<iovec> iov{{buf, len}};
-  return recv_iov(fd, iov, nullptr);
-}
-
-std::string drain(int fd, uint64_t len) {
-  std::vector<char> scratch(1 << 16);
-  while (len > 0) {
-    size_t n = size_t(std::min<uint64_t>(len, scratch.size()));
-    std::string err = recv_all(fd, scratch.data(), n);
-    if (!err.empty()) return err;
-    len -= n;
-  }
-  return "";
-}
-
-// With `would_block`, the first sendmsg does not wait: if the socket buffer is full before a byte
-// went out, *would_block is set and nothing is sent (the caller hands the message to its sender
-// thread instead of blocking). Once a byte is out, the rest is sent blocking.
-std::string send_msg(int fd, const Header& h, const void* body, const std::vector<iovec>* payload,
-                     std::atomic<int64_t>* progress, bool* would_block = nullptr) {
-  std::vector<iovec> iov;
-  iov.reserve(2 + (payload ? payload->size() : 0));
-  iov.push_back({const_cast<Header*>(&h), sizeof h});
-  if (h.body_len) iov.push_back({const_cast<void*>(body), h.body_len});
-  if (payload) iov.insert(iov.end(), payload->begin(), payload->end());
-  if (would_block) {
-    *would_block = false;
-    msghdr m{};
-    m.msg_iov = iov.data();
-    m.msg_iovlen = std::min(kIovBatch, iov.size());
-    ssize_t r;
-    do {
-      r = ::sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
-    } while (r < 0 && errno == EINTR);
-    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      *would_block = true;
-      return "";
-    }
-    if (r < 0) return errno_text(errno);
-    if (progress) progress->store(now_ms(), std::memory_order_relaxed);
-    size_t left = size_t(r), i = 0;
-    while (left > 0 && i < iov.size()) {
-      size_t take = std::min(left, iov[i].iov_len);
-      iov[i].iov_base = static_cast<char*>(iov[i].iov_base) + take;
-      iov[i].iov_len -= take;
-      left -= take;
-      if (iov[i].iov_len == 0) ++i;
-    }
-  }
-  return send_iov(fd, iov, progress);
-}
-
-// Reads one header and its body; rejects anything the parser does not accept.
-std::string recv_msg(int fd, Header* h, std::vector<uint8_t>* body) {
-  std::string err = recv_all(fd, h, sizeof *h);
-  if (!err.empty()) return err;
-  err = check_header(*h);
-  if (!err.empty()) return "malformed message: " + err;
-  body->resize(h->body_len);
-  if (h->body_len) err = recv_all(fd, body->data(), h->body_len);
-  return err;
-}
-
-void set_timeouts(int fd, int64_t ms) {
-  timeval tv{};
-  tv.tv_sec = ms / 1000;
-  tv.tv_usec = (ms % 1000) * 1000;
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-}
-
-void tune_socket(int fd, int bufsize) {
-  int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  if (bufsize > 0) {
-    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bufsize, sizeof bufsize);
-    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bufsize, sizeof bufsize);
-  }
-}
-
-// Waits for readability; false on timeout (or stop).
-int wait_readable(int fd, int ms) {
-  pollfd p{fd, POLLIN, 0};
-  int r = ::poll(&p, 1, ms);
-  return r;
-}
-
-bool equal_ct(const std::string& a, const std::string& b) {
-  if (a.size() != b.size()) return false;
-  unsigned char d = 0;
-  for (size_t i = 0; i < a.size(); ++i) d |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return d == 0;
-}
-
-// Cross-memory attach of matching local/remote iovec lists (same lengths pairwise).
-// Returns 0 or the errno of the failure.
-int cma_copy(bool pull, pid_t pid, std::vector<iovec> local, std::vector<iovec> remote) {
-  size_t i = 0;
-  while (i < local.size()) {
-    if (local[i].iov_len == 0) {
-      ++i;
-      continue;
-    }
-    size_t n = std::min(kIovBatch, local.size() - i);
-    ssize_t r = pull ? ::process_vm_readv(pid, &local[i], n, &remote[i], n, 0)
-                     : ::process_vm_writev(pid, &local[i], n, &remote[i], n, 0);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
-    if (r == 0) return EFAULT;
-    size_t left = size_t(r);
-    while (left > 0 && i < local.size()) {
-      if (left >= local[i].iov_len) {
-        left -= local[i].iov_len;
-        local[i].iov_len = remote[i].iov_len = 0;
-        ++i;
-      } else {
-        local[i].iov_base = static_cast<char*>(local[i].iov_base) + left;
-        remote[i].iov_base = static_cast<char*>(remote[i].iov_base) + left;
-        local[i].iov_len -= left;
-        remote[i].iov_len -= left;
-        left = 0;
-      }
-    }
-  }
-  return 0;
-}
-
-// Engine threads ask the scheduler for a short time slice (Linux >= 6.12, EEVDF custom slices:
-// sched_attr.sched_runtime on a SCHED_OTHER thread; no privilege needed). A thread with a short
+// Engine threads may ask the scheduler for a short time slice (Manners::short_slice, off by default:
+// Linux >= 6.12, EEVDF custom slices: sched_attr.sched_runtime on a SCHED_OTHER thread; no
+// privilege needed). A thread with a short
 // slice preempts a busy-polling neighbour when it wakes, instead of waiting out the neighbour's
 // slice (a scheduler tick, ~4 ms): without it, one NIXL agent per process (its progress thread
 // spins on a core) made every 4 KiB transfer on a 2-core machine take ~4 ms. Older kernels
@@ -265,8 +70,9 @@ SchedAttr set_slice(uint64_t runtime_ns) {
   return old;
 }
 
-void request_short_slice() { set_slice(100 * 1000); }  // 0.1 ms, the shortest the kernel accepts
 }  // namespace
+
+void request_short_slice() { set_slice(100 * 1000); }  // 0.1 ms, the shortest the kernel accepts
 
 bool move_off_cpu(pid_t tid, int cpu) {
   cpu_set_t allowed;
@@ -291,13 +97,15 @@ bool process_gone(int pidfd) {
 }
 
 uint64_t random_u64() {
-  std::random_device rd;
   uint64_t v = 0;
-  while (v == 0) v = (uint64_t(rd()) << 32) ^ uint64_t(rd());
+  while (v == 0) random_bytes(&v, sizeof v);
   return v;
 }
 
 bool refused_errno(int e) { return e == EPERM || e == EACCES || e == ENOSYS; }
+
+
+}  // namespace
 
 // Device blocks -> one host buffer (to_host), or one host buffer -> device blocks (from_host).
 int stage_out(const DeviceCopier& c, const std::vector<iovec>& dev, int device, uint8_t* buf) {
@@ -330,7 +138,7 @@ uint64_t iov_bytes(const std::vector<iovec>& v) {
   return n;
 }
 
-}  // namespace
+std::atomic<int> g_log_level{30};
 
 void set_log_level(int level) { g_log_level.store(level); }
 int log_level() { return g_log_level.load(); }
@@ -424,11 +232,12 @@ struct Transfer {
 
 // ---------------------------------------------------------------------------------------------
 // Direct: the initiator's view of a same-host peer's registration table (table.hpp): the header
-// and entries mapped read-only, its own slot read-write, the peer's process.
+// and entries mapped read-only (the memfd is sealed: nothing else is possible), its own slot
+// read-write, the peer's process (as the kernel named it for the Unix socket).
 
 struct Direct {
   pid_t pid = 0;
-  int pidfd = -1;
+  Fd pidfd;
   uint64_t token = 0;
   const uint8_t* table = nullptr;  // header + entries, PROT_READ
   uint8_t* slot_map = nullptr;     // the slot granted to this engine, PROT_READ | PROT_WRITE
@@ -439,9 +248,8 @@ struct Direct {
   uint64_t rung_at = 0;  // ring head when the doorbell last rang
 
   ~Direct() {
-    if (table) ::munmap(const_cast<uint8_t*>(table), kSlotsOff);
+    if (table) ::munmap(const_cast<uint8_t*>(table), kTableBytes);
     if (slot_map) ::munmap(slot_map, kSlotBytes);
-    if (pidfd >= 0) ::close(pidfd);
   }
   const TableHeader* header() const { return reinterpret_cast<const TableHeader*>(table); }
   const TableEntry* entry(uint64_t id) const {
@@ -457,7 +265,7 @@ struct Direct {
     ::clock_gettime(CLOCK_MONOTONIC, &ts);
     const int64_t now = int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
     if (now - alive_at.load(std::memory_order_relaxed) < kAliveRecheckNs) return true;
-    if (process_gone(pidfd)) return false;
+    if (process_gone(pidfd.get())) return false;
     alive_at.store(now, std::memory_order_relaxed);
     return true;
   }
@@ -475,34 +283,35 @@ struct Direct {
 // waits for the poster's slice (milliseconds) before it runs at all. Seen on the 2-vCPU CI
 // machine: whole repetitions of 256 transfers of 512 KiB in which the worker sat on the poster's
 // CPU and copied no piece (28-32 GB/s), against 42-47 GB/s when it ran beside it. So a poster
-// that finds a worker last seen on its own CPU moves it to another CPU it may run on
-// (move_off_cpu), at most once a millisecond per pool.
+// that finds a worker last seen on its own CPU may move it to another CPU it may run on
+// (move_off_cpu), at most once a millisecond per pool: only when the user asked for it
+// (Manners::move_copy_threads), since it rewrites a thread's affinity.
 constexpr int64_t kPoolSpinUs = 200;  // waking an idle (v)CPU through a futex costs tens of microseconds
 constexpr int64_t kPoolMoveEveryNs = 1000000;
 
 class CopyPool {
  public:
-  explicit CopyPool(int workers) {
+  // Throws std::system_error if a thread cannot be created (the threads made so far are stopped).
+  CopyPool(int workers, const Manners& manners) : move_(manners.move_copy_threads) {
     for (int i = 0; i < workers; ++i) workers_.push_back(std::make_unique<Worker>());
-    for (auto& w : workers_)
-      w->th = std::thread([this, w = w.get()] {
-        w->tid.store(pid_t(::syscall(SYS_gettid)), std::memory_order_release);
-        request_short_slice();
-        loop(*w);
-      });
-  }
-  ~CopyPool() {
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      stop_ = true;
+    const bool slice = manners.short_slice;
+    try {
+      for (auto& w : workers_)
+        w->th = std::thread([this, w = w.get(), slice] {
+          w->tid.store(pid_t(::syscall(SYS_gettid)), std::memory_order_release);
+          if (slice) request_short_slice();
+          loop(*w);
+        });
+    } catch (...) {
+      stop_all();
+      throw;
     }
-    cv_.notify_all();
-    for (auto& w : workers_) w->th.join();
   }
+  ~CopyPool() { stop_all(); }
   int workers() const { return int(workers_.size()); }
   int64_t moves() const { return moves_.load(std::memory_order_relaxed); }
   void run(std::function<void()> f) {
-    move_workers_off(::sched_getcpu());
+    if (move_) move_workers_off(::sched_getcpu());
     {
       std::lock_guard<std::mutex> g(mu_);
       q_.push_back(std::move(f));
@@ -517,6 +326,15 @@ class CopyPool {
     std::atomic<pid_t> tid{0};
     std::atomic<int> cpu{-1};  // where it last ran
   };
+  void stop_all() {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& w : workers_)
+      if (w->th.joinable()) w->th.join();
+  }
   void move_workers_off(int cpu) {
     for (auto& w : workers_) {
       if (cpu < 0 || w->cpu.load(std::memory_order_relaxed) != cpu) continue;
@@ -554,6 +372,7 @@ class CopyPool {
       f();
     }
   }
+  const bool move_;
   std::vector<std::unique_ptr<Worker>> workers_;
   std::atomic<int64_t> next_move_ns_{0};
   std::atomic<int64_t> moves_{0};
@@ -569,35 +388,61 @@ class CopyPool {
 
 class Conn : public std::enable_shared_from_this<Conn> {
  public:
-  Conn(Engine* eng, Peer* peer, int fd) : eng_(eng), peer_(peer), fd_(fd) {
+  Conn(Engine* eng, Peer* peer, Fd fd) : eng_(eng), peer_(peer), fd_(std::move(fd)) {
     last_progress_.store(now_ms());
+    last_used_.store(now_ms());
   }
   ~Conn() { close(); }
+  int fd() const { return fd_.get(); }
 
-  void start() {
+  // Starts the two threads; false (with the reason) if the system would not create them.
+  bool start(std::string* why) {
     // An exception escaping a thread would terminate the process (std::bad_alloc of a staging
     // buffer, say): it breaks this connection instead.
-    tx_ = std::thread([this] {
-      request_short_slice();
-      try {
-        tx_loop();
-      } catch (const std::exception& e) {
-        fail(std::string("sender thread: ") + e.what());
-      }
-    });
-    rx_ = std::thread([this] {
-      request_short_slice();
-      try {
-        rx_loop();
-      } catch (const std::exception& e) {
-        fail(std::string("receiver thread: ") + e.what());
-      }
-    });
+    const bool slice = eng_->manners().short_slice;
+    try {
+      tx_ = std::thread([this, slice] {
+        if (slice) request_short_slice();
+        try {
+          tx_loop();
+        } catch (const std::exception& e) {
+          fail(std::string("sender thread: ") + e.what());
+        } catch (...) {
+          fail("sender thread: unknown exception");
+        }
+      });
+      rx_ = std::thread([this, slice] {
+        if (slice) request_short_slice();
+        try {
+          rx_loop();
+        } catch (const std::exception& e) {
+          fail(std::string("receiver thread: ") + e.what());
+        } catch (...) {
+          fail("receiver thread: unknown exception");
+        }
+      });
+    } catch (const std::system_error& e) {
+      eng_->thread_failures.fetch_add(1);
+      *why = std::string("cannot start the connection's threads: ") + e.what();
+      fail(*why);
+      return false;
+    }
+    return true;
   }
   bool broken() const { return broken_.load(); }
-  uint8_t* nonce_buf() { return nonce_; }
+  // No request in flight or queued, and nothing carried for more than `ms` before `now`.
+  bool idle_for(int64_t now, int64_t ms) {
+    if (now - last_used_.load(std::memory_order_relaxed) <= ms) return false;
+    {
+      std::lock_guard<std::mutex> g(pmu_);
+      if (!pending_.empty()) return false;
+    }
+    std::lock_guard<std::mutex> q(qmu_);
+    return q_.empty();
+  }
 
   void submit(const PartPtr& p) {
+    last_used_.store(now_ms(), std::memory_order_relaxed);
     uint64_t id = eng_->next_req_id();
     {
       std::lock_guard<std::mutex> g(pmu_);
@@ -656,7 +501,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
       }
       parts.swap(pending_);
     }
-    ::shutdown(fd_, SHUT_RDWR);
+    ::shutdown(fd_.get(), SHUT_RDWR);
     qcv_.notify_all();
     for (auto& kv : parts) kv.second->xfer->part_done(ERR_BAD_STATE, why_);
   }
@@ -668,7 +513,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
     qcv_.notify_all();
     if (tx_.joinable()) tx_.join();
     if (rx_.joinable()) rx_.join();
-    ::close(fd_);
+    fd_.reset();
   }
 
  private:
@@ -677,7 +522,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
     if (p.op == kNotify) {
       Header n = make_header(kNotify);
       n.body_len = uint32_t(p.body.size());
-      std::string err = send_msg(fd_, n, p.body.data(), nullptr, &last_progress_);
+      std::string err = send_msg(fd_.get(), n, p.body.data(), nullptr, &last_progress_);
       if (!err.empty()) fail("send failed: " + err);
       return true;
     }
@@ -716,7 +561,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
     }
     bool would_block = false;
     std::string err =
-        send_msg(fd_, h, wire.data(), &payload, &last_progress_, nonblocking_start ? &would_block : nullptr);
+        send_msg(fd_.get(), h, wire.data(), &payload, &last_progress_, nonblocking_start ? &would_block : nullptr);
     if (!err.empty()) fail("send failed: " + err);
     return !would_block;
   }
@@ -754,7 +599,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
     std::vector<uint8_t> body;
     int64_t timeout = eng_->cp_timeout_ms();
     while (!broken_) {
-      int r = wait_readable(fd_, 100);
+      int r = wait_readable(fd_.get(), 100);
       if (r < 0 && errno != EINTR) {
         fail("poll failed: " + errno_text(errno));
         return;
@@ -772,12 +617,13 @@ class Conn : public std::enable_shared_from_this<Conn> {
         }
         continue;
       }
-      std::string err = recv_msg(fd_, &h, &body);
+      std::string err = recv_msg(fd_.get(), &h, &body);
       if (!err.empty()) {
         fail(err);
         return;
       }
       last_progress_.store(now_ms());
+      last_used_.store(now_ms(), std::memory_order_relaxed);
       if (h.type != kAck && h.type != kReadData) {
         fail("unexpected message type " + std::to_string(h.type));
         return;
@@ -800,15 +646,15 @@ class Conn : public std::enable_shared_from_this<Conn> {
         CopierRef copier;
         uint8_t* buf = nullptr;
         if (p->local_loc == 1) {
-          err = recv_iov(fd_, iov, &last_progress_);
+          err = recv_iov(fd_.get(), iov, &last_progress_);
         } else {
           copier = eng_->device_copier();
           buf = rx_stage_.get(copier, p->bytes);  // this thread's own
           if (buf) {
             std::vector<iovec> host{{buf, p->bytes}};
-            err = recv_iov(fd_, host, &last_progress_);
+            err = recv_iov(fd_.get(), host, &last_progress_);
           } else {
-            err = drain(fd_, p->bytes);
+            err = drain(fd_.get(), p->bytes);
           }
         }
         if (!err.empty()) {
@@ -855,8 +701,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
 
   Engine* eng_;
   Peer* peer_;
-  int fd_;
-  uint8_t nonce_[16] = {};
+  Fd fd_;
   std::thread tx_, rx_;
   std::mutex send_mu_;
   StageBuffer tx_stage_;  // GPU data to send (under send_mu_)
@@ -869,75 +714,57 @@ class Conn : public std::enable_shared_from_this<Conn> {
   std::atomic<bool> broken_{false}, stop_{false}, closed_{false};
   std::string why_;
   std::atomic<int64_t> last_progress_{0};
+  std::atomic<int64_t> last_used_{0};
 };
+
 
 // ---------------------------------------------------------------------------------------------
 // Engine
 
-Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
-  addrinfo hints{}, *res = nullptr;
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE;
-  std::string port = std::to_string(cfg_.port);
-  int rc = ::getaddrinfo(cfg_.host.empty() ? nullptr : cfg_.host.c_str(), port.c_str(), &hints, &res);
-  if (rc != 0) throw std::runtime_error("cannot resolve host '" + cfg_.host + "': " + gai_strerror(rc));
-  std::string last = "no address";
-  for (addrinfo* ai = res; ai; ai = ai->ai_next) {
-    int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
-    if (fd < 0) continue;
-    int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 512) == 0) {
-      listen_fd_ = fd;
-      break;
-    }
-    last = errno_text(errno);
-    ::close(fd);
+Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)), inbound_(cfg_.limits.inbound) {
+  if (!cfg_.token.empty()) {
+    std::string why;
+    if (!auth_available(&why))
+      throw std::runtime_error("engine '" + cfg_.key + "' has a secret (MORI_IO_AUTH_TOKEN) but cannot prove it: " + why);
   }
-  ::freeaddrinfo(res);
-  if (listen_fd_ < 0)
-    throw std::runtime_error("cannot listen on " + cfg_.host + ":" + std::to_string(cfg_.port) + ": " + last);
-  sockaddr_storage ss{};
-  socklen_t len = sizeof ss;
-  ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len);
-  port_ = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
-                                         : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  instance_ = random_string(16);
   slots_.resize(kTableSlots);
+  listen_tcp();  // throws for a non-loopback address without a secret
+  listen_unix();
   create_table();
-  acceptor_ = std::thread([this] { accept_loop(); });
+  try {
+    acceptor_ = std::thread([this] { accept_loop(); });
+  } catch (const std::system_error& e) {
+    throw std::runtime_error("engine '" + cfg_.key + "': cannot start its accept thread: " + e.what());
+  }
 }
 
 Engine::~Engine() {
   shutdown();
   pool_.reset();
   for (auto& si : slots_)
-    if (si.pidfd >= 0) ::close(si.pidfd);
+    if (si.map) ::munmap(si.map, kSlotBytes);
   if (table_) ::munmap(table_, kTableBytes);
-  if (table_fd_ >= 0) ::close(table_fd_);
 }
 
-// The shared registration table (table.hpp). Without it (no memfd, no memory) the direct path is
-// simply never granted.
+// The shared registration table (table.hpp), sealed so that only this mapping can ever write it.
+// Without it (no memfd, a kernel without F_SEAL_FUTURE_WRITE) the direct path is never granted.
 void Engine::create_table() {
-  int fd = int(::syscall(SYS_memfd_create, "mori-io-table", 1u /* MFD_CLOEXEC */));
-  if (fd < 0) {
-    MORI_IO_LOG(20, "engine '%s': no shared registration table: memfd_create: %s", cfg_.key.c_str(),
-                errno_text(errno).c_str());
-    return;
-  }
-  if (::ftruncate(fd, off_t(kTableBytes)) != 0) {
-    MORI_IO_LOG(20, "engine '%s': no shared registration table: ftruncate: %s", cfg_.key.c_str(),
-                errno_text(errno).c_str());
-    ::close(fd);
-    return;
-  }
-  void* m = ::mmap(nullptr, kTableBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (m == MAP_FAILED) {
-    MORI_IO_LOG(20, "engine '%s': no shared registration table: mmap: %s", cfg_.key.c_str(),
-                errno_text(errno).c_str());
-    ::close(fd);
-    return;
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010
+#endif
+  auto no_table = [this](const char* what) {
+    MORI_IO_LOG(20, "engine '%s': no shared registration table (same-host initiators use the socket): %s: %s",
+                cfg_.key.c_str(), what, errno_text(errno).c_str());
+  };
+  Fd fd(int(::syscall(SYS_memfd_create, "mori-io-table", 1u /* MFD_CLOEXEC */ | 2u /* MFD_ALLOW_SEALING */)));
+  if (!fd) return no_table("memfd_create");
+  if (::ftruncate(fd.get(), off_t(kTableBytes)) != 0) return no_table("ftruncate");
+  void* m = ::mmap(nullptr, kTableBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+  if (m == MAP_FAILED) return no_table("mmap");
+  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) != 0) {
+    ::munmap(m, kTableBytes);
+    return no_table("sealing it against other writers");
   }
   auto* h = static_cast<TableHeader*>(m);
   h->magic = kTableMagic;
@@ -946,14 +773,11 @@ void Engine::create_table() {
   h->slots = kTableSlots;
   h->ring_records = kRingRecords;
   h->entries_off = kEntriesOff;
-  h->slots_off = kSlotsOff;
   h->slot_bytes = kSlotBytes;
   h->total_bytes = kTableBytes;
-  uint64_t n1 = random_u64(), n2 = random_u64();
-  std::memcpy(h->nonce, &n1, 8);
-  std::memcpy(h->nonce + 8, &n2, 8);
+  random_bytes(h->nonce, sizeof h->nonce);
   h->epoch.store(0);
-  table_fd_ = fd;
+  table_fd_ = std::move(fd);
   table_ = static_cast<uint8_t*>(m);
 }
 
@@ -961,64 +785,73 @@ TableEntry* Engine::table_entry(uint64_t id) const {
   return reinterpret_cast<TableEntry*>(table_ + kEntriesOff) + id % kTableEntries;
 }
 
-TableSlot* Engine::table_slot(uint32_t i) const { return reinterpret_cast<TableSlot*>(table_ + kSlotsOff + kSlotBytes * i); }
-
-// Grants a free slot to the initiator engine `key` (process `pid`); -1 if none is free.
-int Engine::grant_slot(const std::string& key, pid_t pid, DirectGrant* g) {
+int Engine::grant_slot(const std::string& key, const PeerCred& cred, DirectGrant* g, Fd* slot_fd) {
   if (!table_) return -1;
   std::lock_guard<std::mutex> lk(slot_mu_);
   for (uint32_t i = 0; i < kTableSlots; ++i) {
     SlotInfo& si = slots_[i];
     if (si.used) continue;
-    TableSlot* s = table_slot(i);
-    // A released slot is reused once its last holder has nothing in flight (or is gone); its
-    // owner token was cleared at release, so that holder cannot start anything new on it.
-    if (si.released && !process_gone(si.pidfd) &&
-        (s->busy[0].load(std::memory_order_seq_cst) != 0 || s->busy[1].load(std::memory_order_seq_cst) != 0))
-      continue;
-    uint64_t token = random_u64();
+    // A released slot's memory stays mapped (its last holder still maps it too) until nothing is
+    // in flight on it or its holder is gone; then it is unmapped and the index gets fresh memory.
+    if (si.map) {
+      if (!process_gone(si.pidfd.get()) && (si.map->busy[0].load(std::memory_order_seq_cst) != 0 ||
+                                            si.map->busy[1].load(std::memory_order_seq_cst) != 0))
+        continue;
+      std::lock_guard<std::mutex> in(in_mu_);
+      drain_slot_locked(i);  // what the last holder left
+      ::munmap(si.map, kSlotBytes);
+      si.map = nullptr;
+      si.key.clear();
+    }
+    Fd fd(int(::syscall(SYS_memfd_create, "mori-io-slot", 1u /* MFD_CLOEXEC */)));
+    if (!fd || ::ftruncate(fd.get(), off_t(kSlotBytes)) != 0) return -1;
+    void* m = ::mmap(nullptr, kSlotBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+    if (m == MAP_FAILED) return -1;
+    auto* s = static_cast<TableSlot*>(m);  // zero-filled: head, tail, busy counters 0
+    const uint64_t token = random_u64();
+    s->owner.store(token, std::memory_order_seq_cst);
     {
       std::lock_guard<std::mutex> in(in_mu_);
-      if (si.released) drain_slot_locked(i);  // what the last holder left
-      s->head.store(0);
-      s->tail.store(0);
-      s->busy[0].store(0);
-      s->busy[1].store(0);
+      si.map = s;
       si.key = key;
     }
-    if (si.pidfd >= 0) ::close(si.pidfd);
-    si.pidfd = pidfd_open(pid);
+    si.pidfd.reset(::fcntl(cred.pidfd.get(), F_DUPFD_CLOEXEC, 0));
     si.used = true;
-    si.released = false;
-    s->owner.store(token, std::memory_order_seq_cst);
     std::memset(g, 0, sizeof *g);
-    g->pid = uint32_t(::getpid());
-    g->fd = table_fd_;
     g->table_addr = reinterpret_cast<uint64_t>(table_);
     g->token = token;
     g->slot = i;
     std::memcpy(g->nonce, reinterpret_cast<TableHeader*>(table_)->nonce, 16);
+    *slot_fd = std::move(fd);
     return int(i);
   }
   return -1;
 }
 
-// The connection that held the slot closed: its holder may not start anything new on it.
+// The connection that held the slot closed: its holder may not start anything new on it. The
+// slot's memory and process handle go at once unless a copy is in flight (then at the next grant
+// of this index): a holder increments busy before it reads the owner token, so once the token is
+// cleared, a zero busy count here means no copy can still start.
 void Engine::release_slot(int slot) {
-  table_slot(uint32_t(slot))->owner.store(0, std::memory_order_seq_cst);
-  {
-    std::lock_guard<std::mutex> in(in_mu_);
-    drain_slot_locked(uint32_t(slot));
-  }
   std::lock_guard<std::mutex> lk(slot_mu_);
-  slots_[slot].used = false;
-  slots_[slot].released = true;
+  SlotInfo& si = slots_[size_t(slot)];
+  si.used = false;
+  if (!si.map) return;
+  si.map->owner.store(0, std::memory_order_seq_cst);
+  std::lock_guard<std::mutex> in(in_mu_);
+  drain_slot_locked(uint32_t(slot));
+  if (si.map->busy[0].load(std::memory_order_seq_cst) == 0 && si.map->busy[1].load(std::memory_order_seq_cst) == 0) {
+    ::munmap(si.map, kSlotBytes);
+    si.map = nullptr;
+    si.key.clear();
+    si.pidfd.reset();
+  }
 }
 
 void Engine::drain_slot_locked(uint32_t i) {
-  const std::string& key = slots_[i].key;
-  if (key.empty()) return;
-  TableSlot* s = table_slot(i);
+  const SlotInfo& si = slots_[i];
+  if (!si.map || si.key.empty()) return;
+  TableSlot* s = si.map;
   uint64_t t = s->tail.load(std::memory_order_relaxed);
   uint64_t h = s->head.load(std::memory_order_acquire);
   if (h - t > kRingRecords) h = t + kRingRecords;  // never read past the ring, whatever the producer wrote
@@ -1026,7 +859,7 @@ void Engine::drain_slot_locked(uint32_t i) {
     NotifyRecord r = s->ring[t % kRingRecords];
     int code = r.code;
     if (code != SUCCESS && (code < ERR_INVALID_ARGS || code > ERR_GPU_OP)) code = ERR_BAD_STATE;
-    record_inbound_locked(key, r.uid, std::max<uint32_t>(1, r.total_parts), code,
+    record_inbound_locked(si.key, r.uid, std::max<uint32_t>(1, r.total_parts), code,
                           code == SUCCESS ? "" : "the initiator's direct copy failed (code " + std::to_string(code) + ")");
   }
   s->tail.store(t, std::memory_order_release);
@@ -1048,10 +881,13 @@ bool Engine::wait_copies(int64_t deadline) {
   const uint64_t old = hdr->epoch.fetch_add(1, std::memory_order_seq_cst) & 1;
   for (int round = 0;; ++round) {
     bool idle = true;
-    for (uint32_t i = 0; i < kTableSlots && idle; ++i) {
-      if (table_slot(i)->busy[old].load(std::memory_order_seq_cst) == 0) continue;
+    {
       std::lock_guard<std::mutex> lk(slot_mu_);
-      idle = process_gone(slots_[i].pidfd);  // a holder that died mid-copy copies nothing more
+      for (uint32_t i = 0; i < kTableSlots && idle; ++i) {
+        const SlotInfo& si = slots_[i];
+        if (!si.map || si.map->busy[old].load(std::memory_order_seq_cst) == 0) continue;
+        idle = process_gone(si.pidfd.get());  // a holder that died mid-copy copies nothing more
+      }
     }
     if (idle) return true;
     if (deadline >= 0 && now_ms() > deadline) return false;
@@ -1080,9 +916,11 @@ void Engine::shutdown() {
   if (shut_.exchange(true)) return;
   stop_ = true;
   retire_all();
-  ::shutdown(listen_fd_, SHUT_RDWR);
+  ::shutdown(listen_fd_.get(), SHUT_RDWR);
+  if (unix_fd_) ::shutdown(unix_fd_.get(), SHUT_RDWR);
   if (acceptor_.joinable()) acceptor_.join();
-  ::close(listen_fd_);
+  listen_fd_.reset();
+  unix_fd_.reset();
   std::vector<PeerPtr> peers;
   {
     std::lock_guard<std::mutex> g(peer_mu_);
@@ -1098,14 +936,11 @@ void Engine::shutdown() {
   {
     std::lock_guard<std::mutex> g(srv_mu_);
     servers.swap(servers_);
+    for (auto& s : servers)
+      if (s.s->fd) ::shutdown(s.s->fd.get(), SHUT_RDWR);
   }
-  for (auto& s : servers) ::shutdown(s.fd, SHUT_RDWR);
-  for (auto& s : servers) {
-    s.th.join();
-    ::close(s.fd);
-  }
+  for (auto& s : servers) s.th.join();
 }
-
 void Engine::configure_tcp(const TcpConfig& c) {
   std::lock_guard<std::mutex> g(tcp_mu_);
   tcp_ = c;
@@ -1162,71 +997,113 @@ namespace {
 #define MADV_COLLAPSE 25  // Linux >= 6.1
 #endif
 constexpr uintptr_t kHugePage = uintptr_t(2) << 20;
-constexpr uint64_t kCollapseMaxDefault = uint64_t(1) << 30;
 
-// MORI_IO_THP=0 turns huge pages for registered CPU memory off; MORI_IO_THP_COLLAPSE_BYTES caps
-// the regions collapsed at registration (default 1 GiB: collapsing costs ~3 ms per MiB here).
-bool thp_wanted() {
-  static const bool v = [] {
-    const char* e = std::getenv("MORI_IO_THP");
-    return !(e && std::strcmp(e, "0") == 0);
-  }();
-  return v;
-}
-
-uint64_t thp_collapse_max() {
-  static const uint64_t v = [] {
-    const char* e = std::getenv("MORI_IO_THP_COLLAPSE_BYTES");
-    return e ? uint64_t(std::strtoull(e, nullptr, 10)) : kCollapseMaxDefault;
-  }();
-  return v;
-}
-
+// Manners::thp (MORI_IO_THP=1, off by default: it changes the paging of the caller's memory).
 // Backs the 2 MiB-aligned interior of registered CPU memory with transparent huge pages: the
 // same-host path's process_vm_readv/writev pins the target's pages one page-table lock per 4 KiB
 // page otherwise (measured here: 512 KiB in 24 us on 4 KiB pages, 16 us on huge pages), and two
 // threads copying halves of one transfer contend on that lock (512 KiB cut in two: 53 us).
 // MADV_HUGEPAGE marks the range (later faults get huge pages); MADV_COLLAPSE moves what is already
-// there onto huge pages. Neither changes a byte of the contents: the kernel copies the pages and
-// remaps them while faults on the range wait. The kernel refuses both for mappings it cannot
-// collapse (device mappings, pinned pages such as cudaHostRegister'd or RDMA-registered memory)
-// and the range keeps its pages; so does a kernel without THP. Returns the interior [lo, hi) now
-// on huge pages (the table's huge_lo/huge_hi), or an empty range.
-std::pair<uintptr_t, uintptr_t> back_with_huge_pages(uintptr_t addr, uint64_t size) {
-  if (!thp_wanted() || size < kHugePage) return {0, 0};
+// there onto huge pages, up to Manners::thp_collapse_max bytes (it costs ~3 ms per MiB). Neither
+// changes a byte of the contents. The kernel refuses both for mappings it cannot collapse (device
+// mappings, pinned pages) and the range keeps its pages; so does a kernel without THP.
+void back_with_huge_pages(uintptr_t lo, uintptr_t hi, uint64_t collapse_max) {
+  const uint64_t n = hi - lo;
+  if (::madvise(reinterpret_cast<void*>(lo), n, MADV_HUGEPAGE) != 0) return;
+  if (n <= collapse_max) ::madvise(reinterpret_cast<void*>(lo), n, MADV_COLLAPSE);
+}
+
+// The 2 MiB-aligned interior of [addr, addr + size) if the kernel maps (nearly) all of it with
+// 2 MiB pages now, else an empty range: the table's huge_lo/huge_hi, a speed hint for the
+// initiator (table.hpp). Huge pages come from the caller (its allocator, MADV_HUGEPAGE, hugetlbfs)
+// or from Manners::thp. Read from /proc/self/smaps (AnonHugePages, ShmemPmdMapped, FilePmdMapped,
+// or a hugetlb KernelPageSize) of the mappings the interior overlaps; once per registration.
+std::pair<uintptr_t, uintptr_t> huge_interior(uintptr_t addr, uint64_t size) {
   const uintptr_t lo = (addr + kHugePage - 1) & ~(kHugePage - 1), hi = (addr + size) & ~(kHugePage - 1);
   if (hi <= lo) return {0, 0};
+  FILE* f = std::fopen("/proc/self/smaps", "re");
+  if (!f) return {0, 0};
+  char line[512];
+  uint64_t overlap = 0, huge = 0, vma_overlap = 0;
+  bool in = false, done = false;
+  while (!done && std::fgets(line, sizeof line, f)) {
+    unsigned long long a, b;
+    char perms[8];
+    if (std::sscanf(line, "%llx-%llx %7s", &a, &b, perms) == 3) {  // a mapping's first line
+      if (a >= hi) done = true;
+      in = !done && b > lo;
+      vma_overlap = in ? std::min<uint64_t>(b, hi) - std::max<uint64_t>(a, lo) : 0;
+      overlap += vma_overlap;
+      continue;
+    }
+    if (!in) continue;
+    unsigned long long kb;
+    if (std::sscanf(line, "AnonHugePages: %llu kB", &kb) == 1 || std::sscanf(line, "ShmemPmdMapped: %llu kB", &kb) == 1 ||
+        std::sscanf(line, "FilePmdMapped: %llu kB", &kb) == 1)
+      huge += std::min<uint64_t>(kb << 10, vma_overlap);
+    else if (std::sscanf(line, "KernelPageSize: %llu kB", &kb) == 1 && (kb << 10) >= kHugePage)
+      huge += vma_overlap;  // hugetlbfs: every page of the mapping is huge
+  }
+  std::fclose(f);
   const uint64_t n = hi - lo;
-  if (::madvise(reinterpret_cast<void*>(lo), n, MADV_HUGEPAGE) != 0) return {0, 0};
-  if (n > thp_collapse_max()) return {0, 0};
-  if (::madvise(reinterpret_cast<void*>(lo), n, MADV_COLLAPSE) != 0) return {0, 0};
-  return {lo, hi};
+  return overlap >= n && huge * 8 >= n * 7 ? std::make_pair(lo, hi) : std::make_pair(uintptr_t(0), uintptr_t(0));
+}
+
+// Whether [addr, addr + size) is mapped in this process: msync(MS_ASYNC) checks the range against
+// the process's mappings (ENOMEM for a hole) and does nothing else (a no-op since Linux 2.6.19).
+bool mapped(uintptr_t addr, uint64_t size) {
+  const uintptr_t page = uintptr_t(::sysconf(_SC_PAGESIZE));
+  const uintptr_t lo = addr & ~(page - 1);
+  return ::msync(reinterpret_cast<void*>(lo), size_t(addr + size - lo), MS_ASYNC) == 0;
 }
 }  // namespace
 
 uint64_t Engine::register_memory(uintptr_t addr, uint64_t size, int loc, int device) {
-  // Before taking the lock: collapsing takes milliseconds per MiB.
+  if (size == 0) throw std::invalid_argument("size=0 is not allowed; expected at least one byte");
+  if (addr == 0 || addr > UINTPTR_MAX - size)
+    throw std::invalid_argument("addr=" + std::to_string(addr) + " + size=" + std::to_string(size) +
+                                " is not a range of this address space (it wraps around or starts at 0)");
+  if (loc == 1 && !mapped(addr, size))
+    throw std::invalid_argument("addr=" + std::to_string(addr) + " + size=" + std::to_string(size) +
+                                " is not mapped memory of this process (msync: " + errno_text(errno) + ")");
+  // Before taking the lock: collapsing takes milliseconds per MiB, smaps a moment.
   std::pair<uintptr_t, uintptr_t> huge{0, 0};
-  if (loc == 1 && table_) huge = back_with_huge_pages(addr, size);
+  if (loc == 1 && table_ && size >= kHugePage) {
+    if (cfg_.manners.thp) {
+      const uintptr_t lo = (addr + kHugePage - 1) & ~(kHugePage - 1), hi = (addr + size) & ~(kHugePage - 1);
+      if (hi > lo) back_with_huge_pages(lo, hi, cfg_.manners.thp_collapse_max);
+    }
+    huge = huge_interior(addr, size);
+  }
   auto r = std::make_shared<Region>();
   r->addr = addr;
   r->size = size;
   r->loc = loc;
   r->device = device;
   std::lock_guard<std::mutex> g(reg_mu_);
-  r->id = ++next_region_;
-  regions_[r->id] = r;
-  // Publish CPU memory for same-host initiators, if its index in the table is free.
-  if (table_ && loc == 1 && !shut_) {
-    TableEntry* e = table_entry(r->id);
-    if (e->id.load(std::memory_order_relaxed) == 0) {
-      table_write_entry(e, r->id, EntryView{addr, size, huge.first, huge.second});
-      r->published = true;
+  // Ids are random (a peer cannot guess the ids of regions it was not given) with their table
+  // index in the low bits: a free index when there is one, so the region is published.
+  const bool publish = table_ && loc == 1 && !shut_;
+  uint64_t index = 0;
+  bool have_index = false;
+  if (publish) {
+    const uint64_t start = random_u64() % kTableEntries;
+    for (uint64_t k = 0; k < kTableEntries && !have_index; ++k) {
+      index = (start + k) % kTableEntries;
+      have_index = table_entry(index)->id.load(std::memory_order_relaxed) == 0;
     }
+  }
+  do {
+    const uint64_t high = random_u64() >> 15;  // ids stay below 2**63 (a Python int, an int64 elsewhere)
+    r->id = have_index ? (high / kTableEntries) * kTableEntries + index : high;
+  } while (r->id == 0 || regions_.count(r->id));
+  regions_[r->id] = r;
+  if (have_index) {
+    table_write_entry(table_entry(r->id), r->id, EntryView{addr, size, huge.first, huge.second});
+    r->published = true;
   }
   return r->id;
 }
-
 bool Engine::deregister_memory(uint64_t id, int64_t timeout_ms) {
   const int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
   std::unique_lock<std::mutex> g(reg_mu_);
@@ -1295,23 +1172,13 @@ void Engine::record_inbound(const std::string& key, uint64_t uid, uint32_t total
 
 void Engine::record_inbound_locked(const std::string& key, uint64_t uid, uint32_t total, int code,
                                    const std::string& msg) {
-  Inbound& in = inbound_[{key, uid}];
-  in.total = total;
-  in.seen += 1;
-  if (code != SUCCESS && in.code == SUCCESS) {
-    in.code = code;
-    in.msg = msg;
-  }
+  inbound_.record(key, uid, total, code, msg);
 }
 
 std::optional<std::pair<int, std::string>> Engine::pop_inbound(const std::string& key, uint64_t uid) {
   drain_slots();
   std::lock_guard<std::mutex> g(in_mu_);
-  auto it = inbound_.find({key, uid});
-  if (it == inbound_.end() || it->second.seen < it->second.total) return std::nullopt;
-  auto out = std::make_pair(it->second.code, it->second.msg);
-  inbound_.erase(it);
-  return out;
+  return inbound_.pop(key, uid);
 }
 
 std::map<std::string, int64_t> Engine::counters() {
@@ -1331,301 +1198,28 @@ std::map<std::string, int64_t> Engine::counters() {
   {
     std::lock_guard<std::mutex> g(in_mu_);
     c["inbound_pending"] = int64_t(inbound_.size());
+    c["inbound_dropped"] = inbound_.dropped();
   }
   {
     std::lock_guard<std::mutex> g(srv_mu_);
-    c["inbound_connections"] = int64_t(servers_.size());
+    int64_t live = 0;
+    for (const Server& s : servers_) live += s.s->finished ? 0 : 1;
+    c["inbound_connections"] = live;
   }
+  c["connections_refused"] = connections_refused.load();
+  c["handshakes_failed"] = handshakes_failed.load();
+  c["auth_failures"] = auth_failures.load();
+  c["accept_errors"] = accept_errors.load();
+  c["idle_closed"] = idle_closed.load();
+  c["protocol_errors"] = protocol_errors.load();
+  c["thread_failures"] = thread_failures.load();
+  c["torn_transfers"] = torn_transfers.load();
   {
     std::lock_guard<std::mutex> g(reg_mu_);
     c["regions"] = int64_t(regions_.size());
   }
   return c;
 }
-
-// -- target side --------------------------------------------------------------------------------
-
-void Engine::accept_loop() {
-  while (!stop_) {
-    int r = wait_readable(listen_fd_, 200);
-    if (stop_) return;
-    if (r <= 0) continue;
-    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    tune_socket(fd, tcp_config().socket_buffer_bytes);
-    set_timeouts(fd, cfg_.cp_timeout_ms);
-    std::lock_guard<std::mutex> g(srv_mu_);
-    // Reap progress threads whose connection ended, so a churn of peers does not pile up threads.
-    for (auto it = servers_.begin(); it != servers_.end();) {
-      if (it->finished->load()) {
-        it->th.join();
-        ::close(it->fd);
-        it = servers_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    auto finished = std::make_shared<std::atomic<bool>>(false);
-    servers_.push_back({fd,
-                        std::thread([this, fd, finished] {
-                          try {
-                            serve(fd, finished);
-                          } catch (const std::exception& e) {  // e.g. std::bad_alloc: drop the connection
-                            MORI_IO_LOG(40, "engine '%s': closing a connection: %s", cfg_.key.c_str(), e.what());
-                            ::shutdown(fd, SHUT_RDWR);
-                            finished->store(true);
-                          }
-                        }),
-                        finished});
-  }
-}
-
-void Engine::serve(int fd, std::shared_ptr<std::atomic<bool>> finished) {
-  request_short_slice();
-  // However serving ends, the peer sees the connection close at once (the fd itself is closed
-  // when the accept thread reaps this thread).
-  struct Done {
-    int fd;
-    std::shared_ptr<std::atomic<bool>> f;
-    ~Done() {
-      ::shutdown(fd, SHUT_RDWR);
-      f->store(true);
-    }
-  } done{fd, finished};
-  StageBuffer stage_buf;  // GPU regions' bytes, through host memory (this thread's)
-  Header h;
-  std::vector<uint8_t> body;
-  // Handshake: the first message must be a HELLO presenting the token, if this engine has one.
-  if (wait_readable(fd, int(cfg_.cp_timeout_ms)) <= 0) return;
-  std::string err = recv_msg(fd, &h, &body);
-  if (!err.empty() || h.type != kHello) {
-    MORI_IO_LOG(30, "engine '%s': dropped a connection: %s", cfg_.key.c_str(),
-                err.empty() ? "first message is not HELLO" : err.c_str());
-    return;
-  }
-  std::vector<std::string> hello;
-  err = parse_strings(body.data(), body.size(), 3, &hello);
-  if (!err.empty()) {
-    MORI_IO_LOG(30, "engine '%s': dropped a connection: bad HELLO: %s", cfg_.key.c_str(), err.c_str());
-    return;
-  }
-  const std::string peer_key = hello[0];
-  const pid_t peer_pid = pid_t(h.mem_id);
-  const uint64_t nonce_addr = h.uid;
-  Header ack = make_header(kHelloAck);
-  std::vector<uint8_t> ack_body;
-  if (!cfg_.token.empty() && !equal_ct(hello[1], cfg_.token)) {
-    std::string why = "engine '" + cfg_.key + "' refused '" + peer_key + "': wrong or missing MORI_IO_AUTH_TOKEN";
-    MORI_IO_LOG(30, "%s", why.c_str());
-    ack.status = ERR_INVALID_ARGS;
-    ack_body.assign(why.begin(), why.end());
-    ack.body_len = uint32_t(ack_body.size());
-    send_msg(fd, ack, ack_body.data(), nullptr, nullptr);
-    return;
-  }
-  std::string nonce(16, '\0');
-  {
-    std::random_device rd;
-    for (char& c : nonce) c = char(rd() & 0xff);
-  }
-  append_string(&ack_body, cfg_.key);
-  append_string(&ack_body, cfg_.token);
-  append_string(&ack_body, nonce);
-  // Direct path: a same-host initiator asked for the registration table; grant it a slot.
-  int slot = -1;
-  if ((h.flags & kFlagDirect) && hello[2] == cfg_.node_id && peer_pid > 0 && !refuse_cma && tcp_config().enable_cma) {
-    DirectGrant grant;
-    slot = grant_slot(peer_key, peer_pid, &grant);
-    if (slot >= 0) {
-      ack.flags |= kFlagDirect;
-      append_string(&ack_body, std::string(reinterpret_cast<const char*>(&grant), sizeof grant));
-    }
-  }
-  struct SlotGuard {  // however serving ends, the slot's holder can start nothing new on it
-    Engine* e;
-    int slot;
-    ~SlotGuard() {
-      if (slot >= 0) e->release_slot(slot);
-    }
-  } slot_guard{this, slot};
-  ack.body_len = uint32_t(ack_body.size());
-  if (!send_msg(fd, ack, ack_body.data(), nullptr, nullptr).empty()) return;
-
-  // 0: not checked yet, 1: the peer proved its pid (attach works), -1: attach unavailable.
-  int cma_state = (hello[2] == cfg_.node_id && peer_pid > 0) ? 0 : -1;
-  std::string cma_why = cma_state < 0 ? "peer is on another node" : "";
-  std::vector<Seg> segs;
-  while (!stop_) {
-    int r = wait_readable(fd, 200);
-    if (r < 0 && errno != EINTR) return;
-    if (r <= 0) {
-      if (slot >= 0) {  // inbound statuses of the direct path, when nobody asks for them
-        std::lock_guard<std::mutex> in(in_mu_);
-        drain_slot_locked(uint32_t(slot));
-      }
-      continue;
-    }
-    err = recv_msg(fd, &h, &body);
-    if (!err.empty()) {
-      if (err != "connection closed by peer")
-        MORI_IO_LOG(30, "engine '%s': closing connection from '%s': %s", cfg_.key.c_str(), peer_key.c_str(),
-                    err.c_str());
-      return;
-    }
-    if (h.type == kNotify) {  // the doorbell of the direct path, maybe with records the ring had no room for
-      std::lock_guard<std::mutex> in(in_mu_);
-      if (slot >= 0) drain_slot_locked(uint32_t(slot));
-      for (size_t off = 0; off + sizeof(NotifyRecord) <= body.size(); off += sizeof(NotifyRecord)) {
-        NotifyRecord rec;
-        std::memcpy(&rec, body.data() + off, sizeof rec);
-        int code = rec.code;
-        if (code != SUCCESS && (code < ERR_INVALID_ARGS || code > ERR_GPU_OP)) code = ERR_BAD_STATE;
-        record_inbound_locked(peer_key, rec.uid, std::max<uint32_t>(1, rec.total_parts), code,
-                              code == SUCCESS ? "" : "the initiator's direct copy failed (code " + std::to_string(code) + ")");
-      }
-      continue;
-    }
-    if (h.type != kWrite && h.type != kRead) {
-      MORI_IO_LOG(30, "engine '%s': unexpected message type %d from '%s'", cfg_.key.c_str(), int(h.type),
-                  peer_key.c_str());
-      return;
-    }
-    err = parse_segments(h, body.data(), &segs);
-    if (!err.empty()) {
-      MORI_IO_LOG(30, "engine '%s': malformed request from '%s': %s", cfg_.key.c_str(), peer_key.c_str(),
-                  err.c_str());
-      return;
-    }
-    const bool cma = h.flags & kFlagCma;
-    int code = SUCCESS;
-    std::string msg;
-    RegionPtr region = pin(h.mem_id, segs.data(), segs.size(), &msg);
-    struct Unpin {  // however this request ends (exceptions included), the region is released
-      Engine* e;
-      RegionPtr r;
-      ~Unpin() {
-        if (r) e->unpin(r);
-      }
-    } unpin_guard{this, region};
-    if (!region) code = ERR_INVALID_ARGS;
-    const bool staged = region && region->loc != 1;  // device memory: through a host buffer
-    if (staged && cma) {
-      code = ERR_INVALID_ARGS;
-      msg = "memory region " + std::to_string(h.mem_id) + " is not CPU memory; it cannot be attached";
-    } else if (staged && !has_device_copier()) {
-      code = ERR_INVALID_ARGS;
-      msg = "memory region " + std::to_string(h.mem_id) +
-            " is not CPU memory and engine '" + cfg_.key + "' has no device copier for GPU staging";
-    }
-    std::vector<iovec> mine;
-    if (code == SUCCESS) {
-      mine.reserve(segs.size());
-      for (const Seg& s : segs) mine.push_back({reinterpret_cast<void*>(region->addr + s.off), s.len});
-    }
-    if (cma && code == SUCCESS) {
-      if (cma_state == 0) {
-        char got[16];
-        iovec l{got, 16}, rm{reinterpret_cast<void*>(nonce_addr), 16};
-        ssize_t n = ::process_vm_readv(peer_pid, &l, 1, &rm, 1, 0);
-        if (n == 16 && std::memcmp(got, nonce.data(), 16) == 0) {
-          cma_state = 1;
-        } else {
-          cma_state = -1;
-          cma_why = n < 0 ? errno_text(errno) : "the peer did not prove its process id";
-        }
-      }
-      if (refuse_cma) {
-        code = kCmaUnavailable;
-        msg = "test mode: attach refused";
-      } else if (cma_state < 0) {
-        code = kCmaUnavailable;
-        msg = cma_why;
-      } else {
-        std::vector<iovec> theirs;
-        theirs.reserve(segs.size());
-        for (const Seg& s : segs) theirs.push_back({reinterpret_cast<void*>(s.addr), s.len});
-        int e = cma_copy(h.type == kWrite, peer_pid, mine, theirs);
-        if (e == EPERM || e == EACCES || e == ENOSYS) {
-          cma_state = -1;
-          cma_why = errno_text(e);
-          code = kCmaUnavailable;
-          msg = cma_why;
-        } else if (e != 0) {
-          code = e == ESRCH ? ERR_BAD_STATE : ERR_INVALID_ARGS;
-          msg = "cross-memory attach to '" + peer_key + "' failed: " + errno_text(e);
-        } else {
-          served_cma.fetch_add(1);
-        }
-      }
-    }
-    if (!cma && h.type == kWrite) {
-      if (code == SUCCESS && staged) {
-        const CopierRef copier = device_copier();
-        uint8_t* buf = stage_buf.get(copier, h.payload_len);
-        if (!buf) {
-          code = ERR_GPU_OP;
-          msg = "no host staging buffer of " + std::to_string(h.payload_len) + " bytes";
-          err = drain(fd, h.payload_len);
-        } else {
-          std::vector<iovec> host{{buf, h.payload_len}};
-          err = recv_iov(fd, host, nullptr);
-        }
-        if (err.empty() && buf) {
-          int rc = stage_in(copier.c, mine, region->device, buf);
-          staged_bytes.fetch_add(int64_t(h.payload_len));
-          if (rc != 0) {
-            code = ERR_GPU_OP;
-            msg = "copying into device memory failed (code " + std::to_string(rc) + ")";
-          }
-        }
-      } else {
-        err = code == SUCCESS ? recv_iov(fd, mine, nullptr) : drain(fd, h.payload_len);
-      }
-      if (!err.empty()) {
-        MORI_IO_LOG(30, "engine '%s': receiving write data from '%s': %s", cfg_.key.c_str(), peer_key.c_str(),
-                    err.c_str());
-        return;
-      }
-      if (code == SUCCESS) served_socket.fetch_add(1);
-    }
-    Header rep = make_header((!cma && h.type == kRead) ? kReadData : kAck);
-    rep.req_id = h.req_id;
-    rep.uid = h.uid;
-    rep.status = code;
-    if (msg.size() > kMaxText) msg.resize(kMaxText);
-    rep.body_len = code == SUCCESS ? 0 : uint32_t(msg.size());
-    std::vector<iovec>* payload = nullptr;
-    if (rep.type == kReadData && code == SUCCESS && staged) {
-      const CopierRef copier = device_copier();
-      const uint64_t total = iov_bytes(mine);
-      uint8_t* buf = stage_buf.get(copier, total);
-      int rc = buf ? stage_out(copier.c, mine, region->device, buf) : -1;
-      staged_bytes.fetch_add(int64_t(total));
-      if (rc != 0) {
-        code = ERR_GPU_OP;
-        msg = buf ? "copying device memory to host failed (code " + std::to_string(rc) + ")"
-                  : "no host staging buffer of " + std::to_string(total) + " bytes";
-        rep.status = code;
-        rep.body_len = uint32_t(msg.size());
-      } else {
-        mine.assign(1, iovec{buf, total});
-      }
-    }
-    if (rep.type == kReadData && code == SUCCESS) {
-      uint64_t total = 0;
-      for (const Seg& s : segs) total += s.len;
-      rep.payload_len = total;
-      payload = &mine;
-      served_socket.fetch_add(1);
-    }
-    // Record before answering, so that the initiator seeing success implies the target knows.
-    if ((h.flags & kFlagNotify) && code != kCmaUnavailable) record_inbound(peer_key, h.uid, h.total_parts, code, msg);
-    err = send_msg(fd, rep, msg.data(), payload, nullptr);
-    if (!err.empty()) return;
-  }
-}
-
-// -- initiator side -----------------------------------------------------------------------------
 
 void Engine::add_peer(const std::string& key, const std::string& host, uint16_t port, bool same_node) {
   PeerPtr old;
@@ -1684,88 +1278,227 @@ void Engine::close_conns(std::vector<std::shared_ptr<Conn>>& conns) {
   conns.clear();
 }
 
-std::string Engine::connect_peer(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out) {
-  TcpConfig tcp = tcp_config();
-  addrinfo hints{}, *res = nullptr;
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  std::string port = std::to_string(p->port);
-  int rc = ::getaddrinfo(p->host.c_str(), port.c_str(), &hints, &res);
-  if (rc != 0) return "cannot resolve '" + p->host + "': " + gai_strerror(rc);
-  std::unique_ptr<addrinfo, void (*)(addrinfo*)> guard(res, ::freeaddrinfo);
-  for (int i = 0; i < std::max(1, tcp.conns_per_peer); ++i) {
-    int fd = -1;
+namespace {
+
+// The other end of a Unix socket as the kernel names it; pidfd from SO_PEERPIDFD (Linux >= 6.5:
+// that very process, no pid reuse race) or else pidfd_open(pid).
+PeerCred unix_peer(int fd) {
+#ifndef SO_PEERPIDFD
+#define SO_PEERPIDFD 77
+#endif
+  PeerCred c;
+  c.unix_socket = true;
+  ucred u{};
+  socklen_t len = sizeof u;
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &u, &len) != 0) return c;
+  c.pid = u.pid;
+  c.uid = u.uid;
+  int pfd = -1;
+  len = sizeof pfd;
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERPIDFD, &pfd, &len) == 0 && pfd >= 0)
+    c.pidfd.reset(pfd);
+  else if (c.pid > 0)
+    c.pidfd.reset(pidfd_open(c.pid));
+  return c;
+}
+
+bool unix_address(const std::string& name, sockaddr_un* a, socklen_t* len) {
+  if (name.empty() || name.size() >= sizeof a->sun_path) return false;
+  std::memset(a, 0, sizeof *a);
+  a->sun_family = AF_UNIX;
+  std::memcpy(a->sun_path + 1, name.data(), name.size());  // abstract: sun_path[0] == 0
+  *len = socklen_t(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return true;
+}
+
+std::vector<Fd> own(const std::vector<int>& fds) {
+  std::vector<Fd> out;
+  for (int fd : fds) out.emplace_back(fd);
+  return out;
+}
+
+}  // namespace
+
+PeerCred peer_credentials(int fd) { return unix_peer(fd); }
+
+std::string Engine::open_conn(const PeerPtr& p, const std::string& unix_name, bool direct, std::shared_ptr<Conn>* out,
+                              AckParams* ack, std::string* unix_out, std::shared_ptr<Direct>* direct_out) {
+  const TcpConfig tcp = tcp_config();
+  const std::string where = unix_name.empty() ? p->host + ":" + std::to_string(p->port) : "its Unix socket";
+  Fd fd;
+  if (!unix_name.empty()) {
+    sockaddr_un a;
+    socklen_t alen;
+    if (!unix_address(unix_name, &a, &alen)) return "bad Unix socket name from the peer";
+    fd.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!fd) return "socket(AF_UNIX): " + errno_text(errno);
+    if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), alen) != 0)
+      return "cannot connect to " + where + ": " + errno_text(errno);
+    tune_socket(fd.get(), tcp.socket_buffer_bytes);
+  } else {
+    addrinfo hints{}, *res = nullptr;
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    const std::string port = std::to_string(p->port);
+    int rc = ::getaddrinfo(p->host.c_str(), port.c_str(), &hints, &res);
+    if (rc != 0) return "cannot resolve '" + p->host + "': " + gai_strerror(rc);
+    std::unique_ptr<addrinfo, void (*)(addrinfo*)> guard(res, ::freeaddrinfo);
     std::string last = "no address";
-    for (addrinfo* ai = res; ai && fd < 0; ai = ai->ai_next) {
-      fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
-      if (fd < 0) continue;
-      tune_socket(fd, tcp.socket_buffer_bytes);
-      if (::connect(fd, ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
+    for (addrinfo* ai = res; ai && !fd; ai = ai->ai_next) {
+      Fd s(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol));
+      if (!s) continue;
+      tune_socket(s.get(), tcp.socket_buffer_bytes);
+      if (::connect(s.get(), ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
         last = errno_text(errno);
-        ::close(fd);
-        fd = -1;
         continue;
       }
-      pollfd pf{fd, POLLOUT, 0};
+      pollfd pf{s.get(), POLLOUT, 0};
       int e = 0;
       socklen_t el = sizeof e;
       if (::poll(&pf, 1, int(cfg_.cp_timeout_ms)) != 1) {
-        last = "connect timed out";
-        e = -1;
-      } else if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &el) != 0 || e != 0) {
+        last = "connect timed out after MORI_IO_CP_TIMEOUT_MS=" + std::to_string(cfg_.cp_timeout_ms) + " ms";
+        continue;
+      }
+      if (::getsockopt(s.get(), SOL_SOCKET, SO_ERROR, &e, &el) != 0 || e != 0) {
         last = errno_text(e);
+        continue;
       }
-      if (e != 0) {
-        ::close(fd);
-        fd = -1;
+      fd = std::move(s);
+    }
+    if (!fd) return "cannot connect to " + where + ": " + last;
+    ::fcntl(fd.get(), F_SETFL, ::fcntl(fd.get(), F_GETFL) & ~O_NONBLOCK);
+  }
+  set_timeouts(fd.get(), cfg_.cp_timeout_ms);
+
+  // The handshake (protocol.hpp): prove nothing to an engine that is not the one asked for.
+  const int64_t deadline = now_ms() + cfg_.cp_timeout_ms;
+  const std::string client_nonce = random_string(kNonceBytes);
+  Header h = make_header(kHello);
+  if (direct) h.flags |= kFlagDirect;
+  std::vector<uint8_t> body;
+  append_string(&body, cfg_.key);
+  append_string(&body, cfg_.node_id);
+  append_string(&body, client_nonce);
+  append_string(&body, instance_);
+  h.body_len = uint32_t(body.size());
+  auto fail = [&](const std::string& why) { return "handshake with '" + p->key + "' at " + where + " failed: " + why; };
+  std::string err = send_msg(fd.get(), h, body.data(), nullptr, nullptr);
+  if (!err.empty()) return fail(err);
+  Header c;
+  std::vector<uint8_t> cb;
+  err = recv_msg_until(fd.get(), &c, &cb, deadline);
+  if (!err.empty()) return fail(err == kTimedOut ? "no answer within MORI_IO_CP_TIMEOUT_MS" : err);
+  if (c.type == kHelloAck && c.status != 0) return fail(std::string(cb.begin(), cb.end()));
+  if (c.type != kChallenge) return fail("unexpected answer to HELLO (message type " + std::to_string(c.type) + ")");
+  std::vector<std::string> ch;
+  err = parse_strings(cb.data(), cb.size(), 3, &ch);
+  if (err.empty() && ch[1].size() != kNonceBytes) err = "bad server nonce";
+  if (!err.empty()) return fail(err);
+  if (ch[0] != p->key) return fail("the engine listening there is '" + ch[0] + "', not '" + p->key + "'");
+  const bool required = c.flags & kFlagAuth;
+  if (cfg_.token.empty() && required)
+    return fail("engine '" + p->key + "' requires a shared secret: set MORI_IO_AUTH_TOKEN (the same on every engine)");
+  if (!cfg_.token.empty() && !required)
+    return fail("engine '" + p->key + "' has no MORI_IO_AUTH_TOKEN but this engine has one; set the same secret on both");
+  std::string proof;
+  if (required) {
+    const Mac want = hmac_sha256(cfg_.token, transcript("target", client_nonce, ch[1], cfg_.key, p->key, instance_));
+    if (!equal_ct(ch[2], std::string(want.begin(), want.end())))
+      return fail("the engine did not prove it holds this engine's MORI_IO_AUTH_TOKEN");
+    const Mac mine = hmac_sha256(cfg_.token, transcript("initiator", client_nonce, ch[1], cfg_.key, p->key, instance_));
+    proof.assign(mine.begin(), mine.end());
+  }
+  Header au = make_header(kAuth);
+  body.clear();
+  append_string(&body, proof);
+  au.body_len = uint32_t(body.size());
+  err = send_msg(fd.get(), au, body.data(), nullptr, nullptr);
+  if (!err.empty()) return fail(err);
+  Header a;
+  std::vector<uint8_t> ab;
+  std::vector<int> raw_fds;
+  const bool want_fds = direct && !unix_name.empty();
+  err = recv_msg_until(fd.get(), &a, &ab, deadline, want_fds ? &raw_fds : nullptr, 2);
+  std::vector<Fd> fds = own(raw_fds);
+  if (!err.empty()) return fail(err == kTimedOut ? "no answer within MORI_IO_CP_TIMEOUT_MS" : err);
+  if (a.type != kHelloAck) return fail("unexpected answer to AUTH (message type " + std::to_string(a.type) + ")");
+  if (a.status != 0) return fail(std::string(ab.begin(), ab.end()));
+  const bool granted = want_fds && (a.flags & kFlagDirect);
+  std::vector<std::string> strs;
+  err = parse_strings(ab.data(), ab.size(), granted ? 3 : 2, &strs);
+  if (err.empty() && strs[0].size() != sizeof(AckParams)) err = "bad HELLO answer";
+  if (err.empty() && granted && strs[2].size() != sizeof(DirectGrant)) err = "bad table grant";
+  if (!err.empty()) return fail(err);
+  std::memcpy(ack, strs[0].data(), sizeof *ack);
+  *unix_out = strs[1];
+
+  auto conn = std::make_shared<Conn>(this, p.get(), std::move(fd));
+  if (!conn->start(&err)) return fail(err);
+  if (granted && direct_out) {
+    DirectGrant grant;
+    std::memcpy(&grant, strs[2].data(), sizeof grant);
+    PeerCred cred = unix_peer(conn->fd());
+    std::string why;
+    *direct_out = cred.pid > 0 ? open_direct(grant, fds, std::move(cred), conn, &why) : nullptr;
+    if (cred.pid <= 0) why = "the target's process is not visible from here (another pid namespace)";
+    if (!*direct_out) {
+      direct_refused.fetch_add(1);
+      MORI_IO_LOG(20, "peer '%s': no direct attach (%s); the target moves the bytes", p->key.c_str(), why.c_str());
+    }
+  }
+  *out = std::move(conn);
+  return "";
+}
+
+// A fresh set of connections: over the target's Unix socket when it is on this node and that
+// socket is reachable (known from an earlier handshake, else learnt over TCP first), else TCP.
+std::string Engine::connect_peer(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out) {
+  const TcpConfig tcp = tcp_config();
+  const int n = std::max(1, tcp.conns_per_peer);
+  const bool want_direct = tcp.enable_cma && p->same_node;
+  std::shared_ptr<Conn> c;
+  AckParams ack{};
+  std::string unix_name;
+  std::shared_ptr<Direct> d;
+  p->local_ipc = false;
+  if (p->same_node && !p->unix_name.empty()) {
+    std::string err = open_conn(p, p->unix_name, want_direct, &c, &ack, &unix_name, &d);
+    if (err.empty()) {
+      p->local_ipc = true;
+    } else {
+      MORI_IO_LOG(20, "peer '%s': %s; asking over TCP again", p->key.c_str(), err.c_str());
+      p->unix_name.clear();
+      c.reset();
+    }
+  }
+  if (!c) {
+    std::string err = open_conn(p, "", false, &c, &ack, &unix_name, nullptr);
+    if (!err.empty()) return err;
+    if (p->same_node && !unix_name.empty()) {
+      std::shared_ptr<Conn> u;
+      std::string unused;
+      err = open_conn(p, unix_name, want_direct, &u, &ack, &unused, &d);
+      if (err.empty()) {
+        c->close();
+        c = std::move(u);
+        p->local_ipc = true;
+        p->unix_name = unix_name;
+      } else {
+        MORI_IO_LOG(20, "peer '%s': its Unix socket is not reachable from here (%s); staying on TCP", p->key.c_str(),
+                    err.c_str());
       }
     }
-    if (fd < 0) return "cannot connect to " + p->host + ":" + port + ": " + last;
-    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-    set_timeouts(fd, cfg_.cp_timeout_ms);
-    auto conn = std::make_shared<Conn>(this, p.get(), fd);
-    Header h = make_header(kHello);
-    const bool want_direct = i == 0 && tcp.enable_cma && p->same_node;
-    if (want_direct) h.flags |= kFlagDirect;
-    h.mem_id = uint64_t(::getpid());
-    h.uid = uint64_t(reinterpret_cast<uintptr_t>(conn->nonce_buf()));
-    std::vector<uint8_t> body;
-    append_string(&body, cfg_.key);
-    append_string(&body, cfg_.token);
-    append_string(&body, cfg_.node_id);
-    h.body_len = uint32_t(body.size());
-    std::string err = send_msg(fd, h, body.data(), nullptr, nullptr);
-    std::vector<uint8_t> rb;
-    Header a;
-    if (err.empty()) err = wait_readable(fd, int(cfg_.cp_timeout_ms)) > 0 ? recv_msg(fd, &a, &rb) : "no HELLO answer";
-    if (err.empty() && a.type != kHelloAck) err = "unexpected answer to HELLO";
-    if (err.empty() && a.status != 0) err = std::string(rb.begin(), rb.end());
-    std::vector<std::string> strs;
-    const bool granted = err.empty() && want_direct && (a.flags & kFlagDirect);
-    if (err.empty()) err = parse_strings(rb.data(), rb.size(), granted ? 4 : 3, &strs);
-    if (err.empty() && granted && strs[3].size() != sizeof(DirectGrant)) err = "bad table grant";
-    if (err.empty() && strs[0] != p->key)
-      err = "the engine listening there is '" + strs[0] + "', not '" + p->key + "'";
-    if (err.empty() && !cfg_.token.empty() && !equal_ct(strs[1], cfg_.token))
-      err = "peer did not present this engine's MORI_IO_AUTH_TOKEN";
-    if (err.empty() && strs[2].size() != 16) err = "bad HELLO answer";
-    if (!err.empty()) {
-      conn.reset();  // closes fd (threads not started)
-      return "handshake with " + p->host + ":" + port + " failed: " + err;
-    }
-    std::memcpy(conn->nonce_buf(), strs[2].data(), 16);
-    conn->start();
-    if (granted) {
-      DirectGrant grant;
-      std::memcpy(&grant, strs[3].data(), sizeof grant);
-      std::string why;
-      p->direct = open_direct(grant, conn, &why);
-      if (!p->direct) {
-        direct_refused.fetch_add(1);
-        MORI_IO_LOG(20, "peer '%s': no direct attach (%s); the target moves the bytes", p->key.c_str(), why.c_str());
-      }
-    }
-    out->push_back(std::move(conn));
+  }
+  p->idle_timeout_ms = int64_t(ack.idle_timeout_ms);
+  p->direct = d;
+  out->push_back(std::move(c));
+  while (int(out->size()) < n) {
+    std::string unused;
+    AckParams more{};
+    std::shared_ptr<Conn> next;
+    std::string err = open_conn(p, p->local_ipc ? p->unix_name : "", false, &next, &more, &unused, nullptr);
+    if (!err.empty()) return err;
+    out->push_back(std::move(next));
   }
   return "";
 }
@@ -1775,6 +1508,14 @@ std::string Engine::peer_conns(const PeerPtr& p, std::vector<std::shared_ptr<Con
   std::lock_guard<std::mutex> g(p->mu);
   bool healthy = !p->conns.empty();
   for (auto& c : p->conns) healthy = healthy && !c->broken();
+  // The target closes connections silent for its idle timeout: connections silent for half of
+  // it are replaced before use (only when none of them has a request in flight).
+  if (healthy && p->idle_timeout_ms > 0) {
+    const int64_t now = now_ms(), limit = p->idle_timeout_ms / 2;
+    bool all_idle = true;
+    for (auto& c : p->conns) all_idle = all_idle && c->idle_for(now, limit);
+    healthy = !all_idle;
+  }
   if (!healthy) {
     close_conns(p->conns);
     p->direct.reset();  // the slot belonged to the old connection
@@ -1791,49 +1532,48 @@ std::string Engine::peer_conns(const PeerPtr& p, std::vector<std::shared_ptr<Con
   return "";
 }
 
-// Maps the peer's table, checks it is the one the peer granted, and proves attach works on the
-// process that owns it (reads the nonce through process_vm_readv). nullptr (with the reason) if
-// anything is refused: the caller keeps the target-side path.
-std::shared_ptr<Direct> Engine::open_direct(const DirectGrant& g, const std::shared_ptr<Conn>& conn0, std::string* why) {
+// Maps the peer's table (read-only: it is sealed) and this engine's slot, checks they are the ones
+// the peer granted, and proves attach works on the peer's process (reads the table's nonce through
+// process_vm_readv). nullptr (with the reason) if anything is refused: the caller keeps the
+// target-side path.
+std::shared_ptr<Direct> Engine::open_direct(const DirectGrant& g, std::vector<Fd>& fds, PeerCred cred,
+                                            const std::shared_ptr<Conn>& conn0, std::string* why) {
   if (refuse_direct) {
     *why = "test mode: attach refused";
+    return nullptr;
+  }
+  if (fds.size() != 2) {
+    *why = "the grant came without the table's and the slot's descriptors";
     return nullptr;
   }
   if (g.slot >= kTableSlots) {
     *why = "bad slot in the grant";
     return nullptr;
   }
+  struct stat st1 {}, st2 {};
+  if (::fstat(fds[0].get(), &st1) != 0 || uint64_t(st1.st_size) < kTableBytes || ::fstat(fds[1].get(), &st2) != 0 ||
+      uint64_t(st2.st_size) < kSlotBytes) {
+    *why = "the peer's table or slot has the wrong size";
+    return nullptr;
+  }
   auto d = std::make_shared<Direct>();
-  d->pid = pid_t(g.pid);
+  d->pid = cred.pid;
+  d->pidfd = std::move(cred.pidfd);
   d->token = g.token;
-  std::string path = "/proc/" + std::to_string(g.pid) + "/fd/" + std::to_string(g.fd);
-  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) {
-    *why = "cannot open the peer's table " + path + ": " + errno_text(errno);
-    return nullptr;
-  }
-  struct stat stt {};
-  if (::fstat(fd, &stt) != 0 || uint64_t(stt.st_size) < kTableBytes) {
-    ::close(fd);
-    *why = "the peer's table has the wrong size";
-    return nullptr;
-  }
-  void* ro = ::mmap(nullptr, kSlotsOff, PROT_READ, MAP_SHARED, fd, 0);
-  void* rw = ::mmap(nullptr, kSlotBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, off_t(kSlotsOff + kSlotBytes * g.slot));
-  int map_errno = errno;
-  ::close(fd);
+  void* ro = ::mmap(nullptr, kTableBytes, PROT_READ, MAP_SHARED, fds[0].get(), 0);
   if (ro != MAP_FAILED) d->table = static_cast<const uint8_t*>(ro);
+  void* rw = ::mmap(nullptr, kSlotBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[1].get(), 0);
   if (rw != MAP_FAILED) d->slot_map = static_cast<uint8_t*>(rw);
   if (!d->table || !d->slot_map) {
-    *why = "cannot map the peer's table: " + errno_text(map_errno);
+    *why = "cannot map the peer's table or slot: " + errno_text(errno);
     return nullptr;
   }
   d->slot = reinterpret_cast<TableSlot*>(d->slot_map);
   const TableHeader* h = d->header();
   if (h->magic != kTableMagic || h->version != kTableVersion || h->entries != kTableEntries ||
       h->slots != kTableSlots || h->ring_records != kRingRecords || h->entries_off != kEntriesOff ||
-      h->slots_off != kSlotsOff || h->slot_bytes != kSlotBytes || std::memcmp(h->nonce, g.nonce, 16) != 0) {
-    *why = "the table at " + path + " is not the one the peer granted";
+      h->slot_bytes != kSlotBytes || std::memcmp(h->nonce, g.nonce, 16) != 0) {
+    *why = "the table passed is not the one the peer granted";
     return nullptr;
   }
   const uint64_t nonce_off = uint64_t(reinterpret_cast<uintptr_t>(h->nonce) - reinterpret_cast<uintptr_t>(h));
@@ -1848,7 +1588,6 @@ std::shared_ptr<Direct> Engine::open_direct(const DirectGrant& g, const std::sha
     *why = "the slot was not granted to this engine";
     return nullptr;
   }
-  d->pidfd = pidfd_open(d->pid);
   d->conn0 = conn0;
   return d;
 }
@@ -1867,10 +1606,16 @@ std::string Engine::route_of(const std::string& peer_key, uint64_t local_id, boo
     auto it = regions_.find(local_id);
     if (it != regions_.end()) r = it->second;
   }
-  bool cma = tcp_config().enable_cma && p->same_node && p->cma_ok && remote_cpu && r && r->loc == 1;
+  bool connected;
+  {
+    std::lock_guard<std::mutex> g(p->mu);
+    connected = !p->conns.empty();
+  }
+  // Before the first connection: what it will be if the target's Unix socket is reachable.
+  const bool local = connected ? p->local_ipc.load() : p->same_node;
+  bool cma = tcp_config().enable_cma && p->same_node && local && p->cma_ok && remote_cpu && r && r->loc == 1;
   return cma ? "tcp+cma" : "tcp";
 }
-
 namespace {
 // post's block lists, kept per thread: a batch's lists are kilobytes, and glibc answers every
 // allocation that large by first consolidating its free small chunks (~0.5 us a transfer at 128
@@ -1955,7 +1700,8 @@ StatusPtr Engine::post(uint16_t op, uint64_t local_id, const std::string& peer_k
   }
   TcpConfig tcp = tcp_config();
   uint32_t flags = tcp.enable_notification ? uint32_t(kFlagNotify) : 0u;
-  if (tcp.enable_cma && peer->same_node && peer->cma_ok && remote_cpu && local->loc == 1) flags |= kFlagCma;
+  if (tcp.enable_cma && peer->same_node && peer->local_ipc && peer->cma_ok && remote_cpu && local->loc == 1)
+    flags |= kFlagCma;
   const uint64_t chunk = std::max<uint64_t>(tcp.chunk_bytes, 4096);
 
   // Merge blocks contiguous on both sides, then cut into parts of at most `chunk` bytes.
@@ -2060,7 +1806,12 @@ int Engine::copy_parallel(bool pull, pid_t pid, std::vector<iovec>& local, std::
     std::lock_guard<std::mutex> g(pool_mu_);
     if (!pool_ || pool_->workers() < threads - 1) {
       pool_.reset();
-      pool_ = std::make_unique<CopyPool>(threads - 1);
+      try {
+        pool_ = std::make_unique<CopyPool>(threads - 1, cfg_.manners);
+      } catch (const std::system_error&) {  // no threads to be had: copy on this one
+        thread_failures.fetch_add(1);
+        return cma_copy(pull, pid, std::move(local), std::move(remote));
+      }
     }
     pool = pool_.get();
   }

@@ -1,34 +1,52 @@
-// The native mori-io engine: a registration table, a TCP listener whose per-connection progress
-// threads serve one-sided reads and writes into registered memory, and outbound connections to
-// remote engines (several per peer) that carry striped, chunked transfers.
+// The native mori-io engine: a registration table, listeners (TCP, and a Unix socket for peers of
+// this host) whose per-connection progress threads serve one-sided reads and writes into
+// registered memory, and outbound connections to remote engines (several per peer) that carry
+// striped, chunked transfers.
+//
+// Trust. Every peer is untrusted. A connection starts with a handshake (protocol.hpp) in which both
+// sides prove they hold the shared secret (MORI_IO_AUTH_TOKEN) by HMAC challenge-response: the
+// secret never crosses the wire. An engine that listens beyond loopback refuses to start without a
+// secret unless told to (allow_unauthenticated). Every request is checked against this engine's own
+// registration table on the thread that serves it; the requester's word (its descriptor, its claims)
+// decides nothing. Identity: a peer's key is bound to its engine instance while it has connections
+// here (a second instance claiming a connected key is refused), inbound statuses are credited only
+// to the key the serving connection authenticated. Cross-memory attach happens only with a process
+// the kernel named: the peer of a Unix socket (SO_PEERCRED / SO_PEERPIDFD), never a pid a message
+// claims. Bounds: connections, connections in their handshake (each with a deadline), idle time,
+// inbound statuses (inbound.hpp), message sizes (protocol.hpp); counters say what was refused.
 //
 // Threads. One accept thread; per inbound connection one progress thread (it checks every
 // request against this engine's own registration table, moves the bytes and answers); per
 // outbound connection one sender thread (large messages, so the caller does not block) and one
 // receiver thread (completes statuses, lands read data directly in registered memory, fails
-// everything when the peer is silent longer than the control-plane timeout).
+// everything when the peer is silent longer than the control-plane timeout). No thread lets an
+// exception escape; a thread that cannot be created fails what needed it, with a message.
 //
-// Same-host peers, direct path (the fast one): the target publishes its registration table in a
-// memfd (table.hpp) and grants each same-host initiator engine a slot in it at the handshake. The
-// initiator then moves CPU bytes itself with process_vm_readv/writev, checking every block
-// against the entry the target wrote, with no socket round trip: the transfer completes inside
-// post() (its status is already Succeeded, or Failed, when post returns). Large transfers are cut
-// into pieces copied in parallel by a small pool (TcpConfig::cma_threads threads in all,
-// MORI_IO_CMA_THREADS). The inbound status reaches the target through the slot's ring.
-// deregister_memory on the target retires the entry and waits for copies in flight (epoch and
-// busy counters in the slot), so no byte is touched after it returns. Regions that are not in the
-// table (GPU memory, a full table) and every refusal (no grant, /proc or the probe denied, EPERM)
-// take the path below instead.
+// Same-host peers. A peer on this node (same node id) first handshakes over TCP and learns the
+// target's Unix socket (an abstract name drawn at random, told only to authenticated peers), then
+// connects there; where that fails (another network namespace) it stays on TCP.
+//
+// Same-host peers, direct path (the fast one): the target grants the initiator a slot and a
+// read-only view of its registration table (table.hpp). The initiator then moves CPU bytes itself
+// with process_vm_readv/writev, checking every block against the entry the target wrote, with no
+// socket round trip: the transfer completes inside post() (its status is already Succeeded, or
+// Failed, when post returns). Large transfers are cut into pieces copied in parallel by a small
+// pool (TcpConfig::cma_threads threads in all, MORI_IO_CMA_THREADS). The inbound status reaches the
+// target through the slot's ring. deregister_memory on the target retires the entry and waits for
+// copies in flight (epoch and busy counters in the slot), so no byte is touched after it returns.
+// Regions that are not in the table (GPU memory, a full table) and every refusal (no grant, the
+// probe denied, EPERM) take the path below instead.
 //
 // Same-host peers, target-side attach (the fallback): when both memories are CPU memory and the
-// peer is on this node, the bytes of a request move by cross-memory attach done by the *target*,
-// so the target still checks bounds against its own table. The initiator proves its pid at the
-// first such request (the target reads back a nonce it sent in the handshake). If the OS refuses
-// (EPERM, seccomp), the target answers "unavailable" and the initiator resends the same bytes
-// over the socket and stops using attach for that peer: a failover, not a failure.
+// peer is connected over the Unix socket, the bytes of a request move by cross-memory attach done by
+// the *target* with the peer's process, so the target still checks bounds against its own table.
+// If the OS refuses (EPERM, seccomp) or attach is off on the target (MORI_IO_TCP_CMA=0), the
+// target answers "unavailable" and the initiator resends the same bytes over the socket and stops
+// using attach for that peer: a failover, not a failure.
 #pragma once
 
 #include <sys/types.h>
+#include <sys/uio.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -44,10 +62,11 @@
 #include <utility>
 #include <vector>
 
+#include "fd.hpp"
+#include "inbound.hpp"
 #include "protocol.hpp"
 #include "table.hpp"
 
-struct iovec;
 
 namespace mori::io {
 
@@ -130,6 +149,12 @@ struct DeviceCopier {
   void (*host_free)(void* ctx, void* ptr) = nullptr;
 };
 
+// Device blocks -> one host buffer (to_host), or one host buffer -> device blocks (from_host);
+// 0 or the copier's error code.
+int stage_out(const DeviceCopier& c, const std::vector<iovec>& dev, int device, uint8_t* buf);
+int stage_in(const DeviceCopier& c, const std::vector<iovec>& dev, int device, const uint8_t* buf);
+uint64_t iov_bytes(const std::vector<iovec>& v);
+
 // A copier and what keeps its context alive (empty for a copier whose context is static).
 struct CopierRef {
   DeviceCopier c;
@@ -164,6 +189,23 @@ struct TcpConfig {
   int cma_threads = 0;  // threads (the caller included) that copy one large direct transfer; 0: auto
 };
 
+// Bounds of what peers may hold on the target side (the defaults are the documented ones, env.py).
+struct ServerLimits {
+  int max_connections = 1024;         // inbound connections at once; beyond, new ones are closed at accept
+  int max_handshakes = 64;            // connections still in their handshake at once
+  int64_t handshake_timeout_ms = 10000;  // a handshake not finished by then is dropped
+  int64_t idle_timeout_ms = 600000;   // a connection silent this long is closed (0: never)
+  InboundLimits inbound;
+};
+
+// What the library may change of its host process, each off unless asked for (env.py).
+struct Manners {
+  bool thp = false;                 // registration puts CPU memory on transparent huge pages
+  uint64_t thp_collapse_max = uint64_t(1) << 30;
+  bool short_slice = false;         // engine threads ask the scheduler for a 0.1 ms slice
+  bool move_copy_threads = false;   // a poster moves a copy thread off its own CPU
+};
+
 struct EngineConfig {
   std::string key;
   std::string host;  // bind address; "" = all interfaces
@@ -171,6 +213,17 @@ struct EngineConfig {
   std::string node_id;
   std::string token;
   int64_t cp_timeout_ms = 30000;
+  bool allow_unauthenticated = false;  // listen beyond loopback without a secret
+  ServerLimits limits;
+  Manners manners;
+};
+
+// The process at the other end of a Unix socket, as the kernel names it.
+struct PeerCred {
+  bool unix_socket = false;
+  pid_t pid = 0;  // 0: not visible in this pid namespace (attach impossible)
+  uid_t uid = 0;
+  Fd pidfd;       // that very process (SO_PEERPIDFD), or pidfd_open(pid) on older kernels
 };
 
 class Engine;
@@ -207,6 +260,11 @@ struct Peer {
   bool same_node = false;
   std::mutex mu;
   std::vector<std::shared_ptr<Conn>> conns;
+  // Guarded by mu: the target's Unix socket (learnt in the handshake), whether `conns` are on it,
+  // the target's process (SO_PEERCRED of that socket), the target's idle timeout.
+  std::string unix_name;
+  std::atomic<bool> local_ipc{false};
+  int64_t idle_timeout_ms = 0;
   std::atomic<bool> cma_ok{true};
   std::atomic<bool> reachable{true};  // false after a failed connect, until one succeeds
   std::atomic<uint64_t> rr{0};
@@ -214,14 +272,10 @@ struct Peer {
 };
 using PeerPtr = std::shared_ptr<Peer>;
 
-struct Inbound {
-  uint32_t seen = 0, total = 1;
-  int code = SUCCESS;
-  std::string msg;
-};
-
 class Engine {
  public:
+  // Throws std::invalid_argument for a configuration that is not allowed (listening beyond
+  // loopback without a secret), std::runtime_error when it cannot listen.
   explicit Engine(EngineConfig cfg);
   ~Engine();
   Engine(const Engine&) = delete;
@@ -237,6 +291,7 @@ class Engine {
   CopierRef device_copier();
   TcpConfig tcp_config();
 
+  // Throws std::invalid_argument for a range that wraps around or (CPU memory) is not mapped.
   uint64_t register_memory(uintptr_t addr, uint64_t size, int loc, int device);
   // Marks the region gone (new transfers on it fail with ERR_INVALID_ARGS), then waits until no
   // transfer touches it. Returns false if transfers were still running after the timeout.
@@ -262,8 +317,12 @@ class Engine {
   void record_inbound(const std::string& key, uint64_t uid, uint32_t total, int code, const std::string& msg);
   uint64_t next_req_id() { return req_ids_.fetch_add(1) + 1; }
   const EngineConfig& cfg() const { return cfg_; }
+  const Manners& manners() const { return cfg_.manners; }
   std::atomic<int64_t> served_cma{0}, served_socket{0}, failovers{0}, staged_bytes{0};
   std::atomic<int64_t> direct_copies{0}, direct_refused{0}, direct_split{0};
+  // What peers were refused or lost (see counters()).
+  std::atomic<int64_t> connections_refused{0}, handshakes_failed{0}, auth_failures{0}, accept_errors{0},
+      idle_closed{0}, protocol_errors{0}, thread_failures{0}, torn_transfers{0};
   // Test mode: answer every attach request as if the OS refused it and grant no table (exercises
   // the failover).
   std::atomic<bool> refuse_cma{false};
@@ -272,14 +331,31 @@ class Engine {
   std::atomic<bool> refuse_direct{false};
   std::atomic<int64_t> direct_delay_ms{0};
   // used by connections (initiator side)
-  std::shared_ptr<Direct> open_direct(const DirectGrant& g, const std::shared_ptr<Conn>& conn0, std::string* why);
+  std::shared_ptr<Direct> open_direct(const DirectGrant& g, std::vector<Fd>& fds, PeerCred cred,
+                                      const std::shared_ptr<Conn>& conn0, std::string* why);
 
  private:
+  // -- target side (server.cpp) --
+  void listen_tcp();
+  void listen_unix();
   void accept_loop();
-  void serve(int fd, std::shared_ptr<std::atomic<bool>> finished);
+  void accept_one(int listen_fd, bool unix_socket, int64_t* backoff_ms);
+  void serve(int fd, PeerCred cred);
+  // The handshake; on success *key is the peer's authenticated key and *slot its grant (or -1).
+  bool handshake(int fd, const PeerCred& cred, std::string* key, std::string* instance, int* slot);
+  bool bind_key(const std::string& key, const std::string& instance, std::string* why);
+  void unbind_key(const std::string& key);
+  void serve_requests(int fd, const PeerCred& cred, const std::string& peer_key, int slot);
+
+  // -- initiator side --
   std::string connect_peer(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out);
+  // One connection: connect (TCP to host:port, or the Unix socket `unix_name`), handshake. On
+  // success *ack holds the target's parameters, *unix_out its Unix socket name and, with `direct`,
+  // the grant and its descriptors.
+  std::string open_conn(const PeerPtr& p, const std::string& unix_name, bool direct, std::shared_ptr<Conn>* out,
+                        AckParams* ack, std::string* unix_out, std::shared_ptr<Direct>* direct_out);
   void close_conns(std::vector<std::shared_ptr<Conn>>& conns);
-  // The peer's connections (reconnecting broken ones) into *out unless null, and its direct path.
+  // The peer's connections (reconnecting broken or idle ones) into *out unless null, and its direct path.
   std::string peer_conns(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out, std::shared_ptr<Direct>* direct);
   // Direct path, initiator: true if the transfer was handled (its status completed).
   bool direct_post(Direct& d, const std::string& peer_key, uint16_t op, uint64_t remote_id, const std::vector<Seg>& segs,
@@ -287,12 +363,13 @@ class Engine {
   // `huge`: the target's range is (mostly) on huge pages (TableEntry::huge_lo/hi), which allows smaller pieces.
   int copy_parallel(bool pull, pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t total,
                     bool huge);
-  // Direct path, target: the table and its slots.
+
+  // -- direct path, target side: the table and its slots --
   void create_table();
-  bool table_ok() const { return table_ != nullptr; }
   TableEntry* table_entry(uint64_t id) const;
-  TableSlot* table_slot(uint32_t i) const;
-  int grant_slot(const std::string& peer_key, pid_t peer_pid, DirectGrant* g);
+  // A fresh slot for the initiator engine `key` (process `cred`): *g and the descriptors to pass
+  // (table, slot; the slot's is closed by the caller once sent); -1 if none is free.
+  int grant_slot(const std::string& peer_key, const PeerCred& cred, DirectGrant* g, Fd* slot_fd);
   void release_slot(int slot);
   void drain_slots();
   void drain_slot_locked(uint32_t i);  // in_mu_ held
@@ -301,13 +378,13 @@ class Engine {
   void retire_all();
 
   struct SlotInfo {
-    bool used = false;      // granted to a connection that is still open
-    bool released = false;  // its connection closed; reusable once nothing is in flight
-    int pidfd = -1;         // the initiator process (to ignore its counters once it is gone)
-    std::string key;        // guarded by in_mu_ (the ring drain needs it)
+    TableSlot* map = nullptr;  // this grant's slot memory (nullptr: never granted, or unmapped)
+    bool used = false;         // granted to a connection that is still open
+    Fd pidfd;                  // the initiator process (to ignore its counters once it is gone)
+    std::string key;           // guarded by in_mu_ (the ring drain needs it)
   };
-  uint8_t* table_ = nullptr;
-  int table_fd_ = -1;
+  uint8_t* table_ = nullptr;  // header + entries, this engine's read-write mapping
+  Fd table_fd_;               // sealed: others can map it read-only only
   std::mutex slot_mu_;
   std::vector<SlotInfo> slots_;
   std::mutex dereg_mu_;
@@ -315,34 +392,57 @@ class Engine {
   std::unique_ptr<CopyPool> pool_;
 
   EngineConfig cfg_;
+  std::string instance_;  // this engine's random instance id (16 bytes)
   std::mutex tcp_mu_;
   TcpConfig tcp_;
   CopierRef copier_;  // guarded by tcp_mu_
-  int listen_fd_ = -1;
+  Fd listen_fd_;      // TCP
+  Fd unix_fd_;        // Unix, abstract name unix_name_ ("" if none)
+  std::string unix_name_;
   uint16_t port_ = 0;
   std::atomic<bool> stop_{false};
   std::thread acceptor_;
+  // One inbound connection: its socket (closed by its thread when serving ends, under srv_mu_, so
+  // shutdown() never touches a number the process reused) and its progress thread.
+  struct Served {
+    Fd fd;               // guarded by srv_mu_
+    bool finished = false;  // guarded by srv_mu_
+  };
   struct Server {
-    int fd;
+    std::shared_ptr<Served> s;
     std::thread th;
-    std::shared_ptr<std::atomic<bool>> finished;
   };
   std::mutex srv_mu_;
   std::vector<Server> servers_;
+  void reap_servers();  // srv_mu_ held: joins the threads whose connection ended
+  std::atomic<int> handshaking_{0};
+
+  std::mutex bind_mu_;
+  struct Binding {
+    std::string instance;
+    int conns = 0;
+  };
+  std::unordered_map<std::string, Binding> bindings_;  // bounded by the connection cap
 
   std::mutex reg_mu_;
   std::condition_variable reg_cv_;
   std::unordered_map<uint64_t, RegionPtr> regions_;
-  uint64_t next_region_ = 0;
 
   std::mutex peer_mu_;
   std::unordered_map<std::string, PeerPtr> peers_;
 
   std::mutex in_mu_;
-  std::map<std::pair<std::string, uint64_t>, Inbound> inbound_;
+  InboundTable inbound_;
 
   std::atomic<uint64_t> req_ids_{0};
   std::atomic<bool> shut_{false};
 };
+
+// The process at the other end of Unix socket `fd` (SO_PEERCRED, SO_PEERPIDFD).
+PeerCred peer_credentials(int fd);
+
+// Engine threads' scheduler slice (Manners::short_slice): asks for 0.1 ms, if the kernel has
+// EEVDF custom slices; nothing otherwise.
+void request_short_slice();
 
 }  // namespace mori::io

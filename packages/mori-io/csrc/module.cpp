@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <stdexcept>
 #include <tuple>
 
 #include "engine.hpp"
@@ -291,10 +292,14 @@ py::dict parse_message(py::bytes data) {
     py::list l;
     for (const Seg& s : segs) l.append(py::make_tuple(s.off, s.len, s.addr));
     out["segments"] = l;
-  } else if (h.type == kHello || h.type == kHelloAck) {
+  } else if (h.type == kHello || h.type == kHelloAck || h.type == kChallenge || h.type == kAuth) {
     std::vector<std::string> strs;
     if (h.status == 0) {
-      err = parse_strings(body, h.body_len, (h.type == kHelloAck && (h.flags & kFlagDirect)) ? 4 : 3, &strs);
+      const size_t count = h.type == kHello       ? 4
+                           : h.type == kChallenge ? 3
+                           : h.type == kAuth      ? 1
+                                                  : (h.flags & kFlagDirect) ? 3 : 2;
+      err = parse_strings(body, h.body_len, count, &strs);
       if (!err.empty()) throw py::value_error("malformed message: " + err);
     }
     py::list l;
@@ -332,6 +337,30 @@ int g_fail_marker = 0;
 
 PYBIND11_MODULE(_engine, m) {
   m.doc() = "Native engine of mori-io: registration table, TCP control/data plane, progress threads.";
+
+  // Native errors surface as the MORI error hierarchy: std::invalid_argument as MoriValueError
+  // (also a ValueError), any other std::exception as MoriBackendError (also a RuntimeError).
+  // pybind11's own exceptions (py::type_error, ...) keep their builtin types.
+  {
+    py::module_ errors = py::module_::import("mori.core.errors");
+    static PyObject* value_error = py::object(errors.attr("MoriValueError")).release().ptr();
+    static PyObject* backend_error = py::object(errors.attr("MoriBackendError")).release().ptr();
+    py::register_exception_translator([](std::exception_ptr p) {
+      try {
+        if (p) std::rethrow_exception(p);
+      } catch (const py::builtin_exception&) {
+        throw;
+      } catch (const py::error_already_set&) {
+        throw;
+      } catch (const std::invalid_argument& e) {
+        PyErr_SetString(value_error, e.what());
+      } catch (const std::bad_alloc&) {
+        throw;
+      } catch (const std::exception& e) {
+        PyErr_SetString(backend_error, e.what());
+      }
+    });
+  }
 
   py::enum_<Code>(m, "StatusCode", py::arithmetic(), "Result of a transfer (TransferStatus.Code()).")
       .value("SUCCESS", SUCCESS)
@@ -387,13 +416,40 @@ PYBIND11_MODULE(_engine, m) {
 
   py::class_<Engine>(m, "Engine", "Native engine; mori.io.IOEngine wraps it.")
       .def(py::init([](const std::string& key, const std::string& host, uint16_t port, const std::string& node_id,
-                       const std::string& token, int64_t cp_timeout_ms) {
-             EngineConfig c{key, host, port, node_id, token, cp_timeout_ms};
+                       const std::string& token, int64_t cp_timeout_ms, bool allow_unauthenticated,
+                       int max_connections, int max_handshakes, int64_t handshake_timeout_ms, int64_t idle_timeout_ms,
+                       uint64_t inbound_per_peer, uint64_t inbound_total, bool thp, uint64_t thp_collapse_bytes,
+                       bool short_slice, bool move_copy_threads) {
+             EngineConfig c;
+             c.key = key;
+             c.host = host;
+             c.port = port;
+             c.node_id = node_id;
+             c.token = token;
+             c.cp_timeout_ms = cp_timeout_ms;
+             c.allow_unauthenticated = allow_unauthenticated;
+             c.limits.max_connections = max_connections;
+             c.limits.max_handshakes = max_handshakes;
+             c.limits.handshake_timeout_ms = handshake_timeout_ms;
+             c.limits.idle_timeout_ms = idle_timeout_ms;
+             c.limits.inbound.per_peer = size_t(inbound_per_peer);
+             c.limits.inbound.total = size_t(inbound_total);
+             c.manners.thp = thp;
+             c.manners.thp_collapse_max = thp_collapse_bytes;
+             c.manners.short_slice = short_slice;
+             c.manners.move_copy_threads = move_copy_threads;
              py::gil_scoped_release nogil;
              return new Engine(c);
            }),
            py::arg("key"), py::arg("host"), py::arg("port"), py::arg("node_id"), py::arg("token"),
-           py::arg("cp_timeout_ms"))
+           py::arg("cp_timeout_ms"), py::arg("allow_unauthenticated") = false, py::arg("max_connections") = 1024,
+           py::arg("max_handshakes") = 64, py::arg("handshake_timeout_ms") = 10000,
+           py::arg("idle_timeout_ms") = 600000, py::arg("inbound_per_peer") = 65536,
+           py::arg("inbound_total") = 262144, py::arg("thp") = false, py::arg("thp_collapse_bytes") = uint64_t(1) << 30,
+           py::arg("short_slice") = false, py::arg("move_copy_threads") = false,
+           "Raises mori.core.errors.MoriValueError for a configuration that is not allowed (listening beyond "
+           "loopback without a secret), MoriBackendError when it cannot listen. The limits and manners are "
+           "documented with their MORI_IO_* variables (mori.io.env).")
       .def_property_readonly("port", &Engine::port, "TCP port the engine listens on.")
       .def(
           "configure_tcp",
@@ -406,8 +462,9 @@ PYBIND11_MODULE(_engine, m) {
           "included) that copy one large same-host transfer; 0 = min(4, CPUs).")
       .def("register_memory", &Engine::register_memory, py::arg("addr"), py::arg("size"), py::arg("loc"),
            py::arg("device"), py::call_guard<py::gil_scoped_release>(),
-           "Add a region to the table; returns its id. CPU memory's 2 MiB-aligned interior is put on "
-           "transparent huge pages (contents unchanged; MORI_IO_THP=0: not).")
+           "Add a region to the table; returns its (random) id. MoriValueError for a range that wraps around "
+           "or, for CPU memory, is not mapped. With thp=True at construction, CPU memory's 2 MiB-aligned "
+           "interior is put on transparent huge pages (contents unchanged).")
       .def("deregister_memory", &Engine::deregister_memory, py::arg("id"), py::arg("timeout_ms"),
            py::call_guard<py::gil_scoped_release>(),
            "Remove a region, then wait for transfers touching it; False if some still ran at the timeout.")

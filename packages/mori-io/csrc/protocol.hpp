@@ -12,28 +12,41 @@
 namespace mori::io {
 
 constexpr uint32_t kMagic = 0x4f49524d;  // "MRIO"
-constexpr uint16_t kVersion = 1;
+constexpr uint16_t kVersion = 2;  // 2: challenge-response handshake, no pid claims
 constexpr uint32_t kMaxSegs = 32768;                 // segments in one message
 constexpr uint32_t kMaxText = 4096;                  // HELLO strings, error messages
 constexpr uint64_t kMaxPayload = uint64_t(1) << 31;  // 2 GiB per message
 constexpr uint32_t kMaxParts = 1u << 24;
 
+// The handshake (every connection, before anything else; see engine.hpp):
+//   initiator -> target  kHello      strings: initiator key, node id, client nonce, engine instance id
+//   target -> initiator  kChallenge  strings: target key, server nonce, target proof (kFlagAuth: a
+//                                    proof is required back), or a refusing kHelloAck
+//   initiator -> target  kAuth       strings: initiator proof
+//   target -> initiator  kHelloAck   status 0, strings: AckParams, Unix socket name, [DirectGrant];
+//                                    status != 0: refused, body = reason
+// A proof is HMAC-SHA256(secret, transcript) (auth.hpp), empty when the side has no secret.
 enum MsgType : uint16_t {
-  kHello = 1,     // initiator -> target: key, token, node id; mem_id = pid, uid = connection index
-  kHelloAck = 2,  // target -> initiator: key, token; status != 0 means refused (body = reason)
+  kHello = 1,
+  kHelloAck = 2,
   kWrite = 3,     // segments then payload (or no payload with kFlagCma: target pulls)
   kRead = 4,      // segments; answered by kReadData (payload) or kAck (kFlagCma: target pushed)
   kAck = 5,       // status of a kWrite / CMA kRead; body = error message
   kReadData = 6,  // status + payload of a kRead; body = error message
-  kNotify = 7,    // initiator -> target, one way: drain my slot's ring; body = NotifyRecords (table.hpp)
+  kNotify = 7,    // initiator -> target, one way, only on the connection holding a slot: drain my
+                  // slot's ring; body = NotifyRecords (table.hpp)
+  kChallenge = 8,
+  kAuth = 9,
 };
 
 enum MsgFlags : uint32_t {
   kFlagCma = 1,     // bytes move by cross-memory attach done by the target, not over the socket
   kFlagNotify = 2,  // target records an inbound status for (initiator key, uid)
-  kFlagDirect = 4,  // HELLO: asks for the registration table; HELLO answer: grants it (4th string)
+  kFlagDirect = 4,  // HELLO: asks for the registration table; HELLO answer: grants it (3rd string,
+                    // the table's and the slot's memfds passed with it over the Unix socket)
+  kFlagAuth = 8,    // CHALLENGE: the target has a secret and requires the initiator's proof
 };
-constexpr uint32_t kKnownFlags = kFlagCma | kFlagNotify | kFlagDirect;
+constexpr uint32_t kKnownFlags = kFlagCma | kFlagNotify | kFlagDirect | kFlagAuth;
 constexpr uint32_t kNotifyRecordBytes = 16;
 
 #pragma pack(push, 1)
@@ -58,8 +71,14 @@ struct Seg {
   uint64_t len;
   uint64_t addr;
 };
+// What the target tells an authenticated initiator (first string of a kHelloAck).
+struct AckParams {
+  uint64_t idle_timeout_ms;  // the target closes a connection silent this long (0: never)
+  uint64_t reserved;
+};
 #pragma pack(pop)
 static_assert(sizeof(Header) == 64, "header is 64 bytes on the wire");
+static_assert(sizeof(AckParams) == 16, "ack parameters are 16 bytes on the wire");
 static_assert(sizeof(Seg) == 24, "segment is 24 bytes on the wire");
 
 inline Header make_header(uint16_t type) {
@@ -80,8 +99,14 @@ inline std::string check_header(const Header& h) {
   if (h.reserved != 0) return "reserved field not zero";
   if (h.payload_len > kMaxPayload) return "payload larger than 2 GiB";
   if ((h.flags & kFlagDirect) && h.type != kHello && h.type != kHelloAck) return "direct flag outside HELLO";
+  if ((h.flags & kFlagAuth) && h.type != kChallenge) return "auth flag outside CHALLENGE";
   switch (h.type) {
     case kHello:
+    case kChallenge:
+    case kAuth:
+      if (h.status != 0 || h.uid != 0 || h.mem_id != 0 || h.req_id != 0 || h.total_parts != 0)
+        return "handshake message with request fields";
+      [[fallthrough]];
     case kHelloAck:
     case kAck:
       if (h.nsegs != 0 || h.payload_len != 0) return "control message with segments or payload";

@@ -1,5 +1,4 @@
-// The registration table an engine publishes to same-host initiators, in a memfd that the owner
-// (the target) creates and alone writes the entries of.
+// The registration table an engine publishes to same-host initiators, and the slots it grants them.
 //
 // Why: between two processes of one host an initiator can move bytes itself with cross-memory
 // attach (process_vm_readv/writev), with no request and reply over the socket per transfer. The
@@ -7,13 +6,21 @@
 // the entry the *owner* wrote (never against the descriptor it was handed), and the owner retires
 // an entry before deregister_memory returns.
 //
-// Layout (one memfd):
-//   page 0       TableHeader: magic, sizes, a nonce, the epoch
-//   entries      kTableEntries x TableEntry, written by the owner only; initiators map them read-only.
-//                Region id `id` lives at index id % kTableEntries when that index was free at
-//                registration (else it is not published and transfers on it take the socket path).
-//   slots        kTableSlots x TableSlot, page aligned; the owner grants one to each same-host
-//                initiator engine (HELLO with kFlagDirect), which maps just that slot read-write.
+// Who gets them: only an authenticated initiator on this engine's Unix socket, whose process the
+// kernel names (SO_PEERCRED); the descriptors travel over that socket (SCM_RIGHTS), nothing is
+// opened through /proc. The initiator learns the owner's pid the same way, never from a message.
+//
+// Memory (memfds, owner-created):
+//   table        TableHeader (a nonce, the epoch) and kTableEntries x TableEntry. The owner maps it
+//                read-write, then seals it against every future writer (F_SEAL_FUTURE_WRITE): an
+//                initiator can map it read-only and nothing else, so no initiator can rewrite an
+//                entry, the epoch, or another initiator's view. Region id `id` lives at index
+//                id % kTableEntries (ids are chosen so that index is free; when the table is full a
+//                region is not published and transfers on it take the socket path).
+//   slot         one TableSlot per grant, a memfd of its own, created for that grant and shared with
+//                that initiator alone (the owner closes its descriptor once mapped): its busy
+//                counters and its ring of inbound statuses. A slot's memory is never handed to a
+//                second initiator; a released slot is unmapped once nothing is in flight on it.
 //
 // Entries: a seqlock per entry (odd `seq` while the owner rewrites it). Retired entries have id 0.
 //
@@ -27,10 +34,11 @@
 //
 // Inbound statuses: the initiator appends {uid, parts, code} to its slot's ring (single producer:
 // one engine, serialised by a mutex) *before* it completes its own status, so a target that pops
-// after the initiator saw success finds it, as with the socket path. The target drains the rings
+// after the initiator saw success finds it, as with the socket path. The target drains the ring
 // when asked (pop_inbound_transfer_status, counters), every 200 ms from the connection's thread,
 // and when the initiator rings the doorbell (a kNotify message once the ring is half full; a
-// record that finds the ring full travels inside such a message).
+// record that finds the ring full travels inside such a message), and credits every record to the
+// key the slot's connection authenticated.
 #pragma once
 
 #include <atomic>
@@ -40,7 +48,7 @@
 namespace mori::io {
 
 constexpr uint64_t kTableMagic = 0x314c4254494f524dull;  // "MROITBL1"
-constexpr uint32_t kTableVersion = 2;  // 2: entries give the huge-page range, not a flag
+constexpr uint32_t kTableVersion = 3;  // 3: slots in memfds of their own, passed over the Unix socket
 constexpr uint32_t kTableEntries = 16384;
 constexpr uint32_t kTableSlots = 128;
 constexpr uint32_t kRingRecords = 4096;
@@ -70,7 +78,7 @@ struct EntryView {
 struct TableHeader {
   uint64_t magic;
   uint32_t version, entries, slots, ring_records;
-  uint64_t entries_off, slots_off, slot_bytes, total_bytes;
+  uint64_t entries_off, slot_bytes, total_bytes;
   uint8_t nonce[16];
   alignas(64) std::atomic<uint64_t> epoch;
 };
@@ -94,25 +102,23 @@ struct TableSlot {
 
 constexpr size_t round_page(size_t n) { return (n + kTablePage - 1) / kTablePage * kTablePage; }
 constexpr size_t kEntriesOff = kTablePage;
-constexpr size_t kSlotsOff = kEntriesOff + round_page(sizeof(TableEntry) * kTableEntries);
+constexpr size_t kTableBytes = kEntriesOff + round_page(sizeof(TableEntry) * kTableEntries);
 constexpr size_t kSlotBytes = round_page(sizeof(TableSlot));
-constexpr size_t kTableBytes = kSlotsOff + kSlotBytes * kTableSlots;
 static_assert(sizeof(TableHeader) <= kTablePage, "header fits in a page");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared atomics must be lock free");
 
 #pragma pack(push, 1)
-// What the owner grants in its HELLO answer (4th string of a kHelloAck with kFlagDirect).
+// What the owner grants in its HELLO answer (3rd string of a kHelloAck with kFlagDirect; the
+// table's memfd and the slot's memfd travel with that message, in this order).
 struct DirectGrant {
-  uint32_t pid;        // the owner's pid (its namespace; the initiator proves it with the nonce)
-  int32_t fd;          // the memfd, opened by the initiator through /proc/<pid>/fd/<fd>
-  uint64_t table_addr; // where the owner maps the table (the initiator reads the nonce there)
-  uint64_t token;      // the slot's owner token
+  uint64_t table_addr;  // where the owner maps the table (the initiator's attach probe reads the nonce there)
+  uint64_t token;       // the slot's owner token
   uint32_t slot;
   uint32_t reserved;
-  uint8_t nonce[16];
+  uint8_t nonce[16];    // the table's nonce (TableHeader::nonce)
 };
 #pragma pack(pop)
-static_assert(sizeof(DirectGrant) == 48, "grant is 48 bytes");
+static_assert(sizeof(DirectGrant) == 40, "grant is 40 bytes");
 
 // Owner side: rewrite an entry under its seqlock (callers serialise writers).
 inline void table_write_entry(TableEntry* e, uint64_t id, const EntryView& v) {

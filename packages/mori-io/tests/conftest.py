@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -68,3 +72,21 @@ def make() -> Iterator[object]:
     yield factory
     for e in made:
         e.shutdown()
+
+
+PEER_SCRIPT = Path(__file__).with_name("_peer.py")
+
+
+def _load_peer() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("mori_io_test_peer", PEER_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def peer() -> ModuleType:
+    """The hand-written wire peer for attack tests (_peer.py): RawPeer, header(), strings(), ..."""
+    return _load_peer()

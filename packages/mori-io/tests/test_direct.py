@@ -4,8 +4,11 @@ socket round trip per transfer (csrc/table.hpp)."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -344,10 +347,13 @@ def _huge_kib(addr: int, size: int) -> int:
     return total
 
 
-def test_registration_puts_cpu_memory_on_huge_pages_without_changing_it(make) -> None:
-    """register_memory backs the 2 MiB-aligned interior of CPU memory with transparent huge pages
-    (MADV_HUGEPAGE + MADV_COLLAPSE): the bytes stay what they were, and transfers that the
-    initiator then cuts into 256 KiB pieces over threads arrive byte-exact."""
+def test_registration_puts_cpu_memory_on_huge_pages_without_changing_it(
+    monkeypatch: pytest.MonkeyPatch, make
+) -> None:
+    """Opted in (MORI_IO_THP=1), register_memory backs the 2 MiB-aligned interior of CPU memory with
+    transparent huge pages (MADV_HUGEPAGE + MADV_COLLAPSE): the bytes stay what they were, and
+    transfers that the initiator then cuts into 256 KiB pieces over threads arrive byte-exact."""
+    monkeypatch.setenv("MORI_IO_THP", "1")
     a = make("a")
     b = make("b")
     a.register_remote_engine(b.get_engine_desc())
@@ -375,20 +381,37 @@ def test_registration_puts_cpu_memory_on_huge_pages_without_changing_it(make) ->
     assert a._counters()["direct_copies"] == 2 * len(sizes)
 
 
+def _huge_page_buffer(n: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """``n`` bytes the way a tuning user allocates them: an anonymous mapping marked
+    MADV_HUGEPAGE and touched, so the kernel backs it with 2 MiB pages where it can."""
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE)
+    t = torch.frombuffer(m, dtype=torch.uint8)
+    t.zero_()
+    return m, t
+
+
+@pytest.mark.parametrize("how", ["caller", "MORI_IO_THP=1"])
 def test_transfers_are_cut_over_threads_only_where_the_target_is_on_huge_pages(
-    monkeypatch: pytest.MonkeyPatch, make
+    monkeypatch: pytest.MonkeyPatch, make, how: str
 ) -> None:
-    """The table gives the part of a region on huge pages; a transfer is cut over threads at the
-    huge-page size (512 KiB) only where at most an eighth of its bytes lie outside it, since on the
-    4 KiB pages of a region's unaligned head two threads pinning one range slow each other down.
-    Every transfer arrives byte-exact either way."""
+    """The table gives the part of a region on huge pages (the caller's own huge pages, or the
+    ones MORI_IO_THP=1 makes); a transfer is cut over threads at the huge-page size (512 KiB)
+    only where at most an eighth of its bytes lie outside it, since on the 4 KiB pages of a
+    region's unaligned head two threads pinning one range slow each other down. Every transfer
+    arrives byte-exact either way."""
     huge = 2 << 20
     monkeypatch.setenv("MORI_IO_CMA_THREADS", "2")  # whatever this machine's CPU count
+    if how == "MORI_IO_THP=1":
+        monkeypatch.setenv("MORI_IO_THP", "1")
     a, b = make("a"), make("b")
     a.register_remote_engine(b.get_engine_desc())
     x = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8)
     mx = a.register_torch_tensor(x)
-    y = torch.zeros(16 << 20, dtype=torch.uint8)
+    if how == "caller":
+        _mapping, y = _huge_page_buffer(16 << 20)  # the mapping must outlive the test's transfers
+    else:
+        y = torch.zeros(16 << 20, dtype=torch.uint8)
     # a region whose first 2 MiB boundary lies 1 MiB in: its head [0, 1 MiB) stays on 4 KiB pages
     first = (y.data_ptr() + 2 * huge - 1) // huge * huge
     start = first - (1 << 20)
@@ -402,6 +425,8 @@ def test_transfers_are_cut_over_threads_only_where_the_target_is_on_huge_pages(
         (3 << 20, True),  # all in the interior
     ]
     on_huge = _thp_available()
+    if on_huge:
+        assert _huge_kib(first, 6 << 20) >= 4096, "the region's interior is not on huge pages"
     for i, (off, cut) in enumerate(cases):
         before = a._counters()["direct_split"]
         st = a.write(mx, 0, my, off, n, 40 + i)
@@ -436,10 +461,16 @@ def test_move_off_cpu_moves_a_thread_and_gives_its_mask_back() -> None:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to move between")
-def test_a_copy_thread_on_the_posting_cpu_is_moved_off_it(monkeypatch: pytest.MonkeyPatch, make) -> None:
-    """A copy thread is of use only beside the poster: the poster moves one last seen on its own CPU
-    (the scheduler can leave both there for milliseconds), and the thread keeps its mask."""
+@pytest.mark.parametrize("opted_in", [True, False], ids=["MORI_IO_MOVE_COPY_THREADS=1", "default"])
+def test_a_copy_thread_on_the_posting_cpu_is_moved_off_it(
+    monkeypatch: pytest.MonkeyPatch, make, opted_in: bool
+) -> None:
+    """A copy thread is of use only beside the poster: opted in, the poster moves one last seen on
+    its own CPU (the scheduler can leave both there for milliseconds), and the thread keeps its
+    mask. By default the library never writes a thread's affinity."""
     monkeypatch.setenv("MORI_IO_CMA_THREADS", "2")
+    if opted_in:
+        monkeypatch.setenv("MORI_IO_MOVE_COPY_THREADS", "1")
     allowed = os.sched_getaffinity(0)
     a, b = make("a"), make("b")
     a.register_remote_engine(b.get_engine_desc())
@@ -456,19 +487,26 @@ def test_a_copy_thread_on_the_posting_cpu_is_moved_off_it(monkeypatch: pytest.Mo
         new = [int(t) for t in set(os.listdir("/proc/self/task")) - before]
         assert new, "no copy thread was started"
         moves = 0
-        for i in range(2, 200):
+        for i in range(2, 200 if opted_in else 40):
             for t in new:  # pin every new thread back here, then let it go anywhere
-                os.sched_setaffinity(t, {here})
-                os.sched_setaffinity(t, allowed)
+                try:
+                    os.sched_setaffinity(t, {here})
+                    os.sched_setaffinity(t, allowed)
+                except ProcessLookupError:  # a thread that ended (the handshake's first connection)
+                    pass
             time.sleep(0.002)  # let it spin (and publish its CPU) beside the poster
             st = a.write(mx, 0, my, 0, n, i)
             assert st.WaitFor(0) and st.Succeeded(), st.Message()
             moves = a._counters()["copy_thread_moves"]
             if moves:
                 break
-        assert moves >= 1, "the copy thread was never moved off the posting CPU"
+        if opted_in:
+            assert moves >= 1, "the copy thread was never moved off the posting CPU"
+        else:
+            assert moves == 0, "the library moved a thread without being asked to"
         assert torch.equal(y[:n], x[:n])
-        assert all(os.sched_getaffinity(t) == allowed for t in new)
+        alive = [t for t in new if os.path.exists(f"/proc/self/task/{t}")]
+        assert all(os.sched_getaffinity(t) == allowed for t in alive)
     finally:
         os.sched_setaffinity(0, allowed)
 
@@ -481,14 +519,20 @@ from mori.io import BackendType, IOEngine, IOEngineConfig
 e = IOEngine("plain", IOEngineConfig("127.0.0.1", 0))
 e.create_backend(BackendType.TCP)
 buf = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8)
+before = _huge_kib(buf.data_ptr(), buf.numel())
 e.register_torch_tensor(buf)
-print(_huge_kib(buf.data_ptr(), buf.numel()))
+print(before, _huge_kib(buf.data_ptr(), buf.numel()))
 """
 
 
 @pytest.mark.skipif(not _thp_available(), reason="no transparent huge pages here")
-def test_mori_io_thp_0_leaves_memory_alone() -> None:
-    env = {**os.environ, "MORI_IO_THP": "0"}
+@pytest.mark.parametrize("value", [None, "0"], ids=["default", "MORI_IO_THP=0"])
+def test_registration_leaves_the_callers_pages_alone(value: str | None) -> None:
+    """By default (and with MORI_IO_THP=0) registration does not change how the caller's memory
+    is paged: the huge pages under a buffer are the same before and after."""
+    env = {k: v for k, v in os.environ.items() if k != "MORI_IO_THP"}
+    if value is not None:
+        env["MORI_IO_THP"] = value
     out = subprocess.run(
         [sys.executable, "-c", _NO_THP, str(Path(__file__).parent)],
         env=env,
@@ -497,7 +541,45 @@ def test_mori_io_thp_0_leaves_memory_alone() -> None:
         timeout=120,
         check=True,
     )
-    assert out.stdout.split()[-1] == "0", out.stdout + out.stderr
+    before, after = out.stdout.split()[-2:]
+    assert after == before, out.stdout + out.stderr
+
+
+def _sched_runtime(tid: int) -> int:
+    """sched_attr.sched_runtime of a thread (its scheduler slice, in ns, on EEVDF kernels)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(56)
+    nr = {"x86_64": 315, "aarch64": 275}.get(os.uname().machine)
+    if nr is None or libc.syscall(nr, tid, buf, 56, 0) != 0:
+        pytest.skip("sched_getattr is not available here")
+    return int(struct.unpack_from("<Q", buf.raw, 24)[0])  # size, policy, flags, nice, priority, runtime
+
+
+@pytest.mark.parametrize("opted_in", [False, True], ids=["default", "MORI_IO_SHORT_SLICE=1"])
+def test_engine_threads_keep_the_schedulers_defaults(
+    monkeypatch: pytest.MonkeyPatch, make, opted_in: bool
+) -> None:
+    """The engine's threads (connections, progress, copy pool) run with the scheduling the process
+    gives them; only MORI_IO_SHORT_SLICE=1 makes them ask for a 0.1 ms slice."""
+    if opted_in:
+        monkeypatch.setenv("MORI_IO_SHORT_SLICE", "1")
+    monkeypatch.setenv("MORI_IO_CMA_THREADS", "2")
+    main = _sched_runtime(0)
+    before = set(os.listdir("/proc/self/task"))
+    cfg = TcpBackendConfig(enable_cma=False, num_connections_per_peer=2)
+    a, b = make("a", cfg), make("b", cfg)
+    a.register_remote_engine(b.get_engine_desc())
+    x = torch.ones(1 << 20, dtype=torch.uint8)
+    y = torch.zeros(1 << 20, dtype=torch.uint8)
+    st = a.write(a.register_torch_tensor(x), 0, b.register_torch_tensor(y), 0, 1 << 20, 1)
+    assert st.WaitFor(30_000) and st.Succeeded(), st.Message()
+    new = [int(t) for t in set(os.listdir("/proc/self/task")) - before]
+    assert len(new) >= 4, "expected the connections' threads"
+    slices = {t: _sched_runtime(t) for t in new}
+    if opted_in:
+        assert sum(v == 100_000 for v in slices.values()) >= 4, slices
+    else:
+        assert all(v == main for v in slices.values()), f"main thread {main}, engine threads {slices}"
 
 
 def test_a_post_from_inside_list_conversion_keeps_both_lists(make) -> None:

@@ -26,6 +26,7 @@ from mori.io import (
 
 HEADER = struct.Struct("<IHHIiQQQIIQII")  # csrc/protocol.hpp Header, 64 bytes
 MAGIC = 0x4F49524D
+VERSION = 2
 assert HEADER.size == 64
 
 
@@ -159,7 +160,7 @@ def test_dead_peer_fails_transfers_with_a_message(pair) -> None:
 
 def _fake_target(handshake: bool) -> tuple[socket.socket, threading.Event]:
     """A listener that accepts and then never answers requests (a hung peer); with ``handshake``
-    it first completes the HELLO exchange, so the silence comes after a request."""
+    it first completes the handshake (no secret), so the silence comes after a request."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(8)
@@ -177,8 +178,12 @@ def _fake_target(handshake: bool) -> tuple[socket.socket, threading.Event]:
             if handshake:
                 hdr = HEADER.unpack(c.recv(64, socket.MSG_WAITALL))
                 c.recv(hdr[9], socket.MSG_WAITALL)
-                body = b"".join(struct.pack("<I", len(s)) + s for s in (b"hung", b"", b"\0" * 16))
-                c.sendall(HEADER.pack(MAGIC, 1, 2, 0, 0, 0, 0, 0, 0, len(body), 0, 0, 0) + body)
+                body = b"".join(struct.pack("<I", len(s)) + s for s in (b"hung", b"\0" * 32, b""))
+                c.sendall(HEADER.pack(MAGIC, VERSION, 8, 0, 0, 0, 0, 0, 0, len(body), 0, 0, 0) + body)
+                hdr = HEADER.unpack(c.recv(64, socket.MSG_WAITALL))  # AUTH
+                c.recv(hdr[9], socket.MSG_WAITALL)
+                body = b"".join(struct.pack("<I", len(s)) + s for s in (struct.pack("<QQ", 0, 0), b""))
+                c.sendall(HEADER.pack(MAGIC, VERSION, 2, 0, 0, 0, 0, 0, 0, len(body), 0, 0, 0) + body)
         for c in conns:
             c.close()
         srv.close()
@@ -206,7 +211,10 @@ def test_silent_peer_fails_within_cp_timeout(monkeypatch: pytest.MonkeyPatch, ma
         assert st.WaitFor(10_000)
         elapsed = time.monotonic() - t0
         assert st.Code() == StatusCode.ERR_BAD_STATE
-        assert ("MORI_IO_CP_TIMEOUT_MS=700" in st.Message()) if handshake else ("HELLO" in st.Message())
+        if handshake:
+            assert "MORI_IO_CP_TIMEOUT_MS=700" in st.Message(), st.Message()
+        else:
+            assert "handshake" in st.Message() and "MORI_IO_CP_TIMEOUT_MS" in st.Message(), st.Message()
         assert elapsed < 5.0
     finally:
         stop.set()
@@ -250,9 +258,9 @@ def test_deregister_waits_for_inflight_transfers_on_the_initiator(make) -> None:
     ("token_a", "token_b", "error"),
     [
         ("s3cret", "s3cret", None),
-        (None, "s3cret", "wrong or missing MORI_IO_AUTH_TOKEN"),
-        ("s3cret", None, "did not present"),
-        ("s3cret", "other", "wrong or missing MORI_IO_AUTH_TOKEN"),
+        (None, "s3cret", "requires a shared secret: set MORI_IO_AUTH_TOKEN"),
+        ("s3cret", None, "has no MORI_IO_AUTH_TOKEN but this engine has one"),
+        ("s3cret", "other", "did not prove it holds this engine's MORI_IO_AUTH_TOKEN"),
     ],
 )
 def test_auth_token(
@@ -274,8 +282,11 @@ def test_auth_token(
         assert st.Succeeded(), st.Message()
         assert torch.equal(x, y)
     else:
-        assert st.Code() == StatusCode.ERR_BAD_STATE and error in st.Message()
+        assert st.Code() == StatusCode.ERR_BAD_STATE and error in st.Message(), st.Message()
         assert int(y.count_nonzero()) == 0
+        # a refused initiator proved nothing to a target it could not verify, and b counted nothing
+        # it could not check: with a wrong secret the initiator stops at b's proof
+        assert b._counters()["auth_failures"] == 0
 
 
 def _closed_by_peer(s: socket.socket) -> bool:
@@ -290,12 +301,13 @@ def _closed_by_peer(s: socket.socket) -> bool:
     "junk",
     [
         b"GET / HTTP/1.1\r\n\r\n" + b"x" * 64,
-        HEADER.pack(MAGIC, 1, 1, 0, 0, 0, 0, 0, 0, 1 << 30, 0, 0, 0),  # HELLO claiming a 1 GiB body
-        HEADER.pack(MAGIC, 1, 3, 0, 0, 1, 0, 1, 1, 24, 8, 1, 0)
+        HEADER.pack(MAGIC, VERSION, 1, 0, 0, 0, 0, 0, 0, 1 << 30, 0, 0, 0),  # HELLO claiming a 1 GiB body
+        HEADER.pack(MAGIC, VERSION, 3, 0, 0, 1, 0, 1, 1, 24, 8, 1, 0)
         + struct.pack("<QQQ", 0, 8, 0)
         + b"x" * 8,  # no HELLO
+        HEADER.pack(MAGIC, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),  # version 1: no longer spoken
     ],
-    ids=["http", "oversized-hello", "write-without-hello"],
+    ids=["http", "oversized-hello", "write-without-hello", "old-version"],
 )
 def test_malformed_traffic_is_dropped_and_the_engine_keeps_serving(pair, junk: bytes) -> None:
     port = pair.b.get_engine_desc().port
@@ -306,20 +318,15 @@ def test_malformed_traffic_is_dropped_and_the_engine_keeps_serving(pair, junk: b
     assert _done(pair.a.write(pair.src_desc, 0, pair.dst_desc, 0, 4096, 1)).Succeeded()
 
 
-def test_malformed_request_after_hello_closes_only_that_connection(pair) -> None:
-    port = pair.b.get_engine_desc().port
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        body = b"".join(struct.pack("<I", len(v)) + v for v in (b"intruder", b"", b"elsewhere"))
-        s.sendall(HEADER.pack(MAGIC, 1, 1, 0, 0, 0, 0, 0, 0, len(body), 0, 0, 0) + body)
-        ack = HEADER.unpack(s.recv(64, socket.MSG_WAITALL))
-        s.recv(ack[9], socket.MSG_WAITALL)
-        assert ack[2] == 2 and ack[4] == 0
+def test_malformed_request_after_hello_closes_only_that_connection(pair, peer) -> None:
+    with peer.RawPeer(port=pair.b.get_engine_desc().port) as s:
+        s.handshake("intruder", "b")
         # a write whose segments claim more bytes than its payload carries
-        s.sendall(
-            HEADER.pack(MAGIC, 1, 3, 0, 0, 1, 0, pair.dst_desc.id, 1, 24, 4, 1, 0)
+        s.send(
+            HEADER.pack(MAGIC, VERSION, 3, 0, 0, 1, 0, pair.dst_desc.id, 1, 24, 4, 1, 0)
             + struct.pack("<QQQ", 0, 8, 0)
         )
-        assert _closed_by_peer(s)
+        assert s.closed_by_engine()
     assert int(pair.dst.count_nonzero()) == 0
     assert _done(pair.a.write(pair.src_desc, 0, pair.dst_desc, 0, 4096, 1)).Succeeded()
 
@@ -467,7 +474,10 @@ def test_session_posts_check_their_arguments_like_the_engine(pair) -> None:
     ):
         with pytest.raises(MoriValueError, match=match):
             call()
-    st = _done(sess.batch_write([0], [2**64], [8], 1))
+    # beyond 2**64 - 1: no native conversion error, a named one
+    with pytest.raises(MoriValueError, match="batch_write: remote_offsets\\[0\\]=18446744073709551616"):
+        sess.batch_write([0], [2**64], [8], 1)
+    st = _done(sess.batch_write([0], [2**64 - 8], [8], 1))
     assert st.Code() == StatusCode.ERR_INVALID_ARGS and "outside the remote region" in st.Message()
     assert int(pair.dst.count_nonzero()) == 0
 

@@ -27,6 +27,8 @@ new transfers on the region fail, then waits for the ones in flight. A peer sile
 
 from __future__ import annotations
 
+import hashlib  # noqa: F401  (loads OpenSSL's libcrypto, which the native engine's authentication uses)
+
 from mori.io._engine import StatusCode, TransferStatus
 from mori.io._types import (
     BackendType,

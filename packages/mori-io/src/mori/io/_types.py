@@ -37,11 +37,18 @@ class PollCqMode(enum.IntEnum):
     EVENT = 1
 
 
-def _check_int(func: str, arg: str, value: Any, minimum: int | None = 0) -> int:
+U64_MAX = (1 << 64) - 1
+
+
+def _check_int(
+    func: str, arg: str, value: Any, minimum: int | None = 0, maximum: int | None = U64_MAX
+) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad_type(func, arg, value, "int")
-    if minimum is not None and value < minimum:
-        raise bad_value(func, arg, value, f"an int >= {minimum}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        lo = "" if minimum is None else f">= {minimum}"
+        hi = "" if maximum is None else f"<= {maximum}" + (" (2**64 - 1)" if maximum == U64_MAX else "")
+        raise bad_value(func, arg, value, "an int " + " and ".join(x for x in (lo, hi) if x))
     return value
 
 
@@ -53,18 +60,40 @@ def _check_bool(func: str, arg: str, value: Any) -> bool:
 
 @dataclass(frozen=True)
 class IOEngineConfig:
-    """Where an engine listens. ``host``: bind address (``""`` = every interface, the descriptor
-    then advertises this host's address); ``port``: TCP port, ``0`` picks a free one."""
+    """Where an engine listens and whom it lets in.
+
+    ``host``: bind address (``""`` = every interface, the descriptor then advertises this host's
+    address); ``port``: TCP port, ``0`` picks a free one. ``auth_token``: the shared secret of the
+    engines that talk to each other (``None``: ``MORI_IO_AUTH_TOKEN``); peers prove they hold it by
+    HMAC challenge-response, it never crosses the wire. An engine listening beyond loopback refuses
+    to start without one unless ``allow_unauthenticated`` (or ``MORI_IO_ALLOW_UNAUTHENTICATED=1``):
+    then anyone who reaches the port can read and write its registered memory.
+    """
 
     host: str = ""
     port: int = 0
+    auth_token: str | None = None
+    allow_unauthenticated: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str):
             raise bad_type("IOEngineConfig", "host", self.host, "str")
-        _check_int("IOEngineConfig", "port", self.port)
-        if self.port > 65535:
-            raise bad_value("IOEngineConfig", "port", self.port, "0 (any free port) to 65535")
+        _check_int("IOEngineConfig", "port", self.port, 0, 65535)
+        if self.auth_token is not None:
+            if not isinstance(self.auth_token, str):
+                raise bad_type("IOEngineConfig", "auth_token", self.auth_token, "str or None")
+            if not self.auth_token or len(self.auth_token.encode()) > 1024:
+                raise bad_value(
+                    "IOEngineConfig", "auth_token", f"<{len(self.auth_token)} characters>", "1 to 1024 bytes"
+                )
+        _check_bool("IOEngineConfig", "allow_unauthenticated", self.allow_unauthenticated)
+
+    def __repr__(self) -> str:  # never print the secret
+        token = None if self.auth_token is None else "<hidden>"
+        return (
+            f"IOEngineConfig(host={self.host!r}, port={self.port}, auth_token={token}, "
+            f"allow_unauthenticated={self.allow_unauthenticated})"
+        )
 
 
 @dataclass(frozen=True)
@@ -82,8 +111,8 @@ class TcpBackendConfig:
     check, and where the OS refuses attach the bytes go through the socket. ``enable_notification``:
     targets record inbound statuses. Environment variables ``MORI_IO_TCP_CONNS_PER_PEER``,
     ``MORI_IO_CHUNK_BYTES``, ``MORI_IO_TCP_CMA`` and ``MORI_IO_ENABLE_NOTIFICATION`` override these.
-    Registered CPU memory is put on transparent huge pages (contents unchanged; ``MORI_IO_THP=0``:
-    not; see the MORI-IO guide).
+    Memory on huge pages (allocated so by you, or ``MORI_IO_THP=1``) speeds the same-host path up;
+    see the MORI-IO guide.
     """
 
     num_connections_per_peer: int = 4

@@ -14,7 +14,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from mori.core import topology
-from mori.core.errors import MoriBackendError, MoriStateError, MoriTimeoutError, bad_type, bad_value
+from mori.core.errors import (
+    MoriBackendError,
+    MoriStateError,
+    MoriTimeoutError,
+    MoriValueError,
+    bad_type,
+    bad_value,
+)
 from mori.io import _engine, env
 from mori.io._engine import StatusCode, TransferStatus
 from mori.io._types import (
@@ -179,14 +186,35 @@ class IOEngine:
             set_log_level(level)
         self._cp_timeout_ms: int = env.MORI_IO_CP_TIMEOUT_MS.get() or 30000
         node = topology.node_id()
-        token = env.MORI_IO_AUTH_TOKEN.get() or ""
+        token = config.auth_token if config.auth_token is not None else env.MORI_IO_AUTH_TOKEN.get() or ""
         if len(token.encode()) > 1024:
             raise bad_value(
                 "IOEngine", "MORI_IO_AUTH_TOKEN", f"<{len(token)} characters>", "at most 1024 bytes"
             )
         try:
-            self._native = _engine.Engine(key, config.host, config.port, node, token, self._cp_timeout_ms)
-        except RuntimeError as e:
+            self._native = _engine.Engine(
+                key,
+                config.host,
+                config.port,
+                node,
+                token,
+                self._cp_timeout_ms,
+                allow_unauthenticated=config.allow_unauthenticated
+                or bool(env.MORI_IO_ALLOW_UNAUTHENTICATED.get()),
+                max_connections=env.MORI_IO_MAX_CONNECTIONS.get() or 1024,
+                max_handshakes=env.MORI_IO_MAX_HANDSHAKES.get() or 64,
+                handshake_timeout_ms=env.MORI_IO_HANDSHAKE_TIMEOUT_MS.get() or 10000,
+                idle_timeout_ms=_value(env.MORI_IO_IDLE_TIMEOUT_MS.get(), 600000),
+                inbound_per_peer=env.MORI_IO_MAX_INBOUND_PER_PEER.get() or 65536,
+                inbound_total=env.MORI_IO_MAX_INBOUND.get() or 262144,
+                thp=env.MORI_IO_THP.get() == "1",
+                thp_collapse_bytes=_value(env.MORI_IO_THP_COLLAPSE_BYTES.get(), 1 << 30),
+                short_slice=bool(env.MORI_IO_SHORT_SLICE.get()),
+                move_copy_threads=bool(env.MORI_IO_MOVE_COPY_THREADS.get()),
+            )
+        except MoriValueError as e:
+            raise MoriValueError(f"IOEngine({key!r}, host={config.host!r}): {e}") from None
+        except MoriBackendError as e:
             raise MoriBackendError(f"IOEngine({key!r}): {e}") from None
         host = config.host if config.host not in ("", "0.0.0.0", "::") else topology.advertised_host()
         self._desc = EngineDesc(key, node, socket.gethostname(), host, self._native.port, os.getpid())
@@ -313,14 +341,24 @@ class IOEngine:
         self._check_open("register_memory")
         _check_int("register_memory", "ptr", ptr, 1)
         _check_int("register_memory", "size", size, 1)
-        _check_int("register_memory", "device_id", device_id, -1)
+        _check_int("register_memory", "device_id", device_id, -1, (1 << 31) - 1)
+        if ptr + size > 1 << 64:
+            raise bad_value(
+                "register_memory",
+                "size",
+                size,
+                f"at most {(1 << 64) - ptr} at ptr={ptr:#x} (the range wraps around)",
+            )
         if not isinstance(mem_loc, MemoryLocationType) or mem_loc == MemoryLocationType.Unknown:
             raise bad_value(
                 "register_memory", "mem_loc", mem_loc, "MemoryLocationType.CPU or MemoryLocationType.GPU"
             )
         if mem_loc == MemoryLocationType.GPU:
             self._install_device_copier(device_id)
-        mid = self._native.register_memory(ptr, size, int(mem_loc), device_id)
+        try:
+            mid = self._native.register_memory(ptr, size, int(mem_loc), device_id)
+        except MoriValueError as e:
+            raise MoriValueError(f"register_memory: {e}") from None
         desc = MemoryDesc(self.key, mid, device_id, "", ptr, size, int(mem_loc), -1, b"")
         for b in list(self._backends.values()):
             handle = b.on_register_memory(desc)
@@ -486,7 +524,7 @@ class IOEngine:
         for i, s in enumerate(statuses):
             if not isinstance(s, TransferStatus):
                 raise bad_type("wait_all", f"statuses[{i}]", s, "TransferStatus")
-        _check_int("wait_all", "timeout_ms", timeout_ms, None)
+        _check_int("wait_all", "timeout_ms", timeout_ms, None, (1 << 63) - 1)
         code: StatusCode = _engine.wait_all(statuses, timeout_ms)
         return code
 
@@ -843,6 +881,10 @@ class IOEngineSession:
 
 
 def _override(value: bool | None, default: bool) -> bool:
+    return default if value is None else value
+
+
+def _value(value: int | None, default: int) -> int:
     return default if value is None else value
 
 

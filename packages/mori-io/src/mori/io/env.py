@@ -12,6 +12,13 @@ from mori.core.env import EnvVar, choice, parse_bool, parse_size
 LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "critical")
 
 
+def _whole_bytes(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise ValueError("must be a whole number >= 0")
+    return n
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -32,11 +39,22 @@ MORI_IO_CP_TIMEOUT_MS = EnvVar(
 MORI_IO_AUTH_TOKEN = EnvVar(
     "MORI_IO_AUTH_TOKEN",
     None,
-    "Shared secret: an engine with a token refuses peers that do not present the same token, in "
-    "both directions. Sent in clear text: it keeps strangers and misconfigured jobs out, it is not "
-    "encryption.",
+    "Shared secret of the engines that may talk to each other (IOEngineConfig.auth_token wins over "
+    "it). Every connection starts with an HMAC-SHA256 challenge-response in both directions, so the "
+    "secret never crosses the wire; an engine without it refuses engines with it and the other way "
+    "round. It authenticates peers, it does not encrypt the data. Required to listen beyond loopback.",
     "s3cret-job-42",
     str,
+)
+MORI_IO_ALLOW_UNAUTHENTICATED = EnvVar(
+    "MORI_IO_ALLOW_UNAUTHENTICATED",
+    "0",
+    "1 lets an engine listen beyond loopback (IOEngineConfig.host not 127.0.0.1/::1) without "
+    "MORI_IO_AUTH_TOKEN, so that anyone who reaches its port can read and write its registered "
+    "memory (a closed network you trust). Otherwise such an engine refuses to start.",
+    "1",
+    parse_bool,
+    "1/0, on/off, true/false, yes/no",
 )
 MORI_IO_LOG_LEVEL = EnvVar(
     "MORI_IO_LOG_LEVEL",
@@ -96,32 +114,101 @@ MORI_IO_CMA_THREADS = EnvVar(
 )
 
 
-def _whole_bytes(text: str) -> int:
-    n = int(text)
-    if n < 0:
-        raise ValueError(text)
-    return n
-
-
 MORI_IO_THP = EnvVar(
     "MORI_IO_THP",
-    "1",
-    "Registration backs the 2 MiB-aligned interior of registered CPU memory with transparent huge "
-    "pages (MADV_HUGEPAGE, and MADV_COLLAPSE up to MORI_IO_THP_COLLAPSE_BYTES; contents unchanged), "
-    "which speeds up the same-host attach path; 0 leaves the pages alone. Read by the native engine "
-    "once per process, at its first registration.",
     "0",
+    "Opt-in tuning that changes the paging of your memory: 1 makes registration back the 2 MiB-"
+    "aligned interior of registered CPU memory with transparent huge pages (MADV_HUGEPAGE, and "
+    "MADV_COLLAPSE up to MORI_IO_THP_COLLAPSE_BYTES; contents unchanged), which speeds up the "
+    "same-host attach path. Off by default: memory you allocate on huge pages yourself gets the "
+    "same speed-up (registration sees it) without the library touching your pages.",
+    "1",
     choice("0", "1"),
-    "0 or 1 (the native engine reads it: nothing else means off)",
+    "0 or 1",
 )
 MORI_IO_THP_COLLAPSE_BYTES = EnvVar(
     "MORI_IO_THP_COLLAPSE_BYTES",
     "1073741824",
-    "Largest 2 MiB-aligned interior of a CPU region that registration collapses onto huge pages "
-    "(about 1-3 ms per MiB); larger regions are only marked MADV_HUGEPAGE.",
+    "With MORI_IO_THP=1: largest 2 MiB-aligned interior of a CPU region that registration collapses "
+    "onto huge pages (about 1-3 ms per MiB); larger regions are only marked MADV_HUGEPAGE.",
     "268435456",
     _whole_bytes,
-    "a whole number of bytes >= 0 (no suffixes: the native engine reads it with strtoull)",
+    "a whole number of bytes >= 0",
+)
+MORI_IO_SHORT_SLICE = EnvVar(
+    "MORI_IO_SHORT_SLICE",
+    "0",
+    "Opt-in tuning of the engine's own threads: 1 makes them ask the scheduler for a 0.1 ms time "
+    "slice (Linux >= 6.12, EEVDF; no privilege), so they preempt a busy-polling neighbour (a NIXL "
+    "progress thread, a spinning GPU poller) when they wake instead of waiting out its slice (a "
+    "scheduler tick). Off by default: the library leaves thread scheduling alone.",
+    "1",
+    parse_bool,
+    "1/0, on/off, true/false, yes/no",
+)
+MORI_IO_MOVE_COPY_THREADS = EnvVar(
+    "MORI_IO_MOVE_COPY_THREADS",
+    "0",
+    "Opt-in tuning of the engine's own threads: 1 lets a posting thread move a copy thread of the "
+    "same-host path that the scheduler left on the poster's CPU to another CPU it may run on (its "
+    "affinity mask is written, then given back). Off by default: the library leaves affinity alone.",
+    "1",
+    parse_bool,
+    "1/0, on/off, true/false, yes/no",
+)
+MORI_IO_MAX_CONNECTIONS = EnvVar(
+    "MORI_IO_MAX_CONNECTIONS",
+    "1024",
+    "Inbound connections an engine keeps at once (each has a thread); beyond, new ones are closed "
+    "at accept and counted (counters: connections_refused).",
+    "256",
+    _positive_int,
+    "a whole number > 0",
+)
+MORI_IO_MAX_HANDSHAKES = EnvVar(
+    "MORI_IO_MAX_HANDSHAKES",
+    "64",
+    "Inbound connections still in their handshake at once; beyond, new ones are closed at accept.",
+    "16",
+    _positive_int,
+    "a whole number > 0",
+)
+MORI_IO_HANDSHAKE_TIMEOUT_MS = EnvVar(
+    "MORI_IO_HANDSHAKE_TIMEOUT_MS",
+    "10000",
+    "Milliseconds an inbound connection has for its whole handshake (at most MORI_IO_CP_TIMEOUT_MS); "
+    "a connection that has not proven itself by then is dropped.",
+    "2000",
+    _positive_int,
+    "a whole number of milliseconds > 0",
+)
+MORI_IO_IDLE_TIMEOUT_MS = EnvVar(
+    "MORI_IO_IDLE_TIMEOUT_MS",
+    "600000",
+    "Milliseconds an inbound connection may stay silent before the target closes it (0: never). "
+    "Initiators learn the value in the handshake and replace connections silent for half of it "
+    "before use, so no transfer meets a closing connection.",
+    "60000",
+    _whole_bytes,
+    "a whole number of milliseconds >= 0",
+)
+MORI_IO_MAX_INBOUND = EnvVar(
+    "MORI_IO_MAX_INBOUND",
+    "262144",
+    "Inbound transfer statuses an engine keeps for pop_inbound_transfer_status, in all; a new one "
+    "beyond it evicts the oldest (counters: inbound_dropped).",
+    "65536",
+    _positive_int,
+    "a whole number > 0",
+)
+MORI_IO_MAX_INBOUND_PER_PEER = EnvVar(
+    "MORI_IO_MAX_INBOUND_PER_PEER",
+    "65536",
+    "Inbound transfer statuses an engine keeps per initiator key; a new one beyond it evicts that "
+    "initiator's oldest (counters: inbound_dropped).",
+    "16384",
+    _positive_int,
+    "a whole number > 0",
 )
 
 
@@ -148,6 +235,7 @@ MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD = EnvVar(
 ALL: tuple[EnvVar[object], ...] = (
     MORI_IO_CP_TIMEOUT_MS,  # type: ignore[assignment]
     MORI_IO_AUTH_TOKEN,
+    MORI_IO_ALLOW_UNAUTHENTICATED,
     MORI_IO_LOG_LEVEL,
     MORI_IO_ENABLE_NOTIFICATION,
     MORI_IO_CHUNK_BYTES,
@@ -156,5 +244,13 @@ ALL: tuple[EnvVar[object], ...] = (
     MORI_IO_CMA_THREADS,
     MORI_IO_THP,
     MORI_IO_THP_COLLAPSE_BYTES,
+    MORI_IO_SHORT_SLICE,
+    MORI_IO_MOVE_COPY_THREADS,
+    MORI_IO_MAX_CONNECTIONS,
+    MORI_IO_MAX_HANDSHAKES,
+    MORI_IO_HANDSHAKE_TIMEOUT_MS,
+    MORI_IO_IDLE_TIMEOUT_MS,
+    MORI_IO_MAX_INBOUND,
+    MORI_IO_MAX_INBOUND_PER_PEER,
     MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD,
 )
