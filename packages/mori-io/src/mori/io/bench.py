@@ -136,6 +136,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cpu: let the TCP backend use cross-memory attach between the two processes (default on)",
     )
     p.add_argument(
+        "--buffers",
+        choices=["pages", "huge"],
+        default="pages",
+        help="cpu: how the benchmark allocates the buffers of both engines (both sides): 'pages' as any "
+        "allocation (4 KiB pages here), 'huge' on 2 MiB transparent huge pages (mmap + MADV_HUGEPAGE, "
+        "as a tuning user would); the engines themselves are left at their defaults",
+    )
+    p.add_argument(
         "--nixl",
         choices=["on", "off"],
         default="on",
@@ -264,6 +272,37 @@ def session_post(
     return lambda: many(offs, offs, szs, uid())
 
 
+def cpu_buffer(nbytes: int, kind: str) -> Any:
+    """A uint8 tensor of ``nbytes`` zeros: ``pages`` from torch's allocator, ``huge`` in an anonymous
+    mapping marked MADV_HUGEPAGE and touched, so the kernel backs it with 2 MiB pages where it can.
+    The mapping lives as long as the tensor (torch keeps the buffer object alive)."""
+    import mmap
+
+    import torch
+
+    if kind == "pages":
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE)
+    t = torch.frombuffer(m, dtype=torch.uint8)
+    t.zero_()  # fault every page in now, on huge pages
+    return t
+
+
+def huge_fraction(t: Any) -> float:
+    """The share of a tensor's bytes the kernel maps with huge pages now (from /proc/self/smaps)."""
+    addr, size = t.data_ptr(), t.numel() * t.element_size()
+    huge, overlaps = 0, 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            overlaps = max(0, min(hi, addr + size) - max(lo, addr))
+        elif overlaps and head == "AnonHugePages:":
+            huge += min(int(line.split()[1]) * 1024, overlaps)
+    return huge / size if size else 0.0
+
+
 def _digest(data: Any) -> str:
     return hashlib.blake2b(bytes(data), digest_size=16).hexdigest()
 
@@ -351,7 +390,7 @@ def _exit_without_teardown(code: int) -> None:
     os._exit(code)
 
 
-def _target(conn: Any, nbytes: int, cma: bool, use_nixl: bool, env: dict[str, str]) -> None:
+def _target(conn: Any, nbytes: int, cma: bool, use_nixl: bool, env: dict[str, str], buffers: str) -> None:
     """The target process: owns registered memory (mori and, during NIXL's phases, NIXL), answers
     digests, exits on "stop"."""
     os.environ.update(env)
@@ -361,7 +400,8 @@ def _target(conn: Any, nbytes: int, cma: bool, use_nixl: bool, env: dict[str, st
 
         from mori.io import EngineDesc
 
-        buf = torch.arange(nbytes, dtype=torch.int64).remainder_(251).to(torch.uint8)
+        buf = cpu_buffer(nbytes, buffers)
+        buf.copy_(torch.arange(nbytes, dtype=torch.int64).remainder_(251).to(torch.uint8))
         engine = _make_engine("bench-target", cma)
         desc = engine.register_torch_tensor(buf)
         why = _nixl_missing() if use_nixl else "disabled (--nixl off)"
@@ -372,6 +412,7 @@ def _target(conn: Any, nbytes: int, cma: bool, use_nixl: bool, env: dict[str, st
                 "mem": desc.pack(),
                 "addr": buf.data_ptr(),
                 "nixl_error": why,
+                "huge": huge_fraction(buf),
             }
         )
         try:
@@ -402,7 +443,7 @@ def _target(conn: Any, nbytes: int, cma: bool, use_nixl: bool, env: dict[str, st
     _exit_without_teardown(code)
 
 
-def _nixl_initiator(conn: Any, nbytes: int, env: dict[str, str], progress_thread: bool) -> None:
+def _nixl_initiator(conn: Any, nbytes: int, env: dict[str, str], progress_thread: bool, buffers: str) -> None:
     """NIXL's initiator, in a process of its own (NIXL never runs in the ``mori`` command's
     process): an agent per NIXL phase, prepared transfers, the same stop-and-wait timing."""
     os.environ.update(env)
@@ -411,7 +452,8 @@ def _nixl_initiator(conn: Any, nbytes: int, env: dict[str, str], progress_thread
         import torch
 
         gen = torch.Generator().manual_seed(11)
-        buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        buf = cpu_buffer(nbytes, buffers)
+        buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen))
         agent: Any = None
         peer, raddr = "", 0
 
@@ -432,7 +474,7 @@ def _nixl_initiator(conn: Any, nbytes: int, env: dict[str, str], progress_thread
             wait((agent.transfer(h), h))
             agent.release_xfer_handle(h)
 
-        conn.send("ready")
+        conn.send(("ready", huge_fraction(buf)))
         while conn.poll(TARGET_TIMEOUT_S):
             msg = conn.recv()
             if msg[0] == "up":
@@ -489,13 +531,13 @@ class _Nixl:
     agent (through the target's pipe)."""
 
     def __init__(
-        self, ctx: Any, target: Any, nbytes: int, env: dict[str, str], progress_thread: bool
+        self, ctx: Any, target: Any, nbytes: int, env: dict[str, str], progress_thread: bool, buffers: str
     ) -> None:
         self.target = target
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_nixl_initiator, args=(child, nbytes, env, progress_thread))
+        self.proc = ctx.Process(target=_nixl_initiator, args=(child, nbytes, env, progress_thread, buffers))
         self.proc.start()
-        await_target(self.conn, self.proc, 120.0)
+        _, self.huge = await_target(self.conn, self.proc, 120.0)
 
     def _ask(self, *msg: Any) -> Any:
         self.conn.send(msg)
@@ -547,7 +589,8 @@ class _CpuInitiator:
         self.conn = conn
         self.args = args
         gen = torch.Generator().manual_seed(7)
-        self.buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        self.buf = cpu_buffer(nbytes, args.buffers)
+        self.buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen))
         self.engine = _make_engine("bench-initiator", args.tcp_cma == "on")
         self.local = self.engine.register_torch_tensor(self.buf)
         self.remote = MemoryDesc.unpack(hello["mem"])
@@ -730,7 +773,9 @@ def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
         env["UCX_LOG_FILE"] = os.path.join(log_dir, "ucx.%p.log")
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_target, args=(child, nbytes, args.tcp_cma == "on", args.nixl == "on", env))
+    proc = ctx.Process(
+        target=_target, args=(child, nbytes, args.tcp_cma == "on", args.nixl == "on", env, args.buffers)
+    )
     proc.start()
     nixl: _Nixl | None = None
     try:
@@ -738,13 +783,20 @@ def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
         ini = _CpuInitiator(args, parent, hello, nbytes)
         why_not = str(hello["nixl_error"])
         if not why_not:
-            nixl = _Nixl(ctx, parent, nbytes, env, args.nixl_initiator_thread == "on")
+            nixl = _Nixl(ctx, parent, nbytes, env, args.nixl_initiator_thread == "on", args.buffers)
+        huge = {"target": hello["huge"], "mori initiator": huge_fraction(ini.buf)}
+        if nixl is not None:
+            huge["nixl initiator"] = nixl.huge
         check = min(4 * MiB, nbytes // 2)
         verified: dict[str, bool] = {"mori": ini.verify(check)}
         print(
             f"mori bench io --device cpu: 2 processes on loopback, mode {args.mode}, route {ini.route()!r}, "
-            f"{args.reps} reps, buffers {bench.human_bytes(nbytes)}"
+            f"{args.reps} reps, buffers {bench.human_bytes(nbytes)} on "
+            + ("4 KiB pages (--buffers pages)" if args.buffers == "pages" else "huge pages (--buffers huge)")
+            + ", share on huge pages now: "
+            + ", ".join(f"{k} {v:.0%}" for k, v in huge.items())
         )
+        print("engines at the library's defaults: " + _manners())
         print(
             "phases: every point with mori, then every point with NIXL (its agents alive only then), "
             "order reversed each rep"
@@ -780,6 +832,9 @@ def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
         "route": route,
         "mode": args.mode,
         "tcp_cma": args.tcp_cma,
+        "buffers": args.buffers,
+        "huge_page_share": huge,
+        "engine_tuning": _manners(),
         "verified": verified,
         "nixl": "measured" if measured else f"unavailable: {why_not}",
         "nixl_agents": "created per NIXL phase, initiator in a process of its own; target with NIXL's progress "
@@ -791,6 +846,14 @@ def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
     if measured:
         print(f"NIXL UCX_TLS={info['ucx_tls']}; UCX endpoint lanes: {'; '.join(transports) or 'not logged'}")
     return info, rows
+
+
+def _manners() -> str:
+    """Which of mori-io's opt-in tunings of the host process are on (all off: the defaults)."""
+    from mori.io import env
+
+    on = [v.name for v in (env.MORI_IO_THP, env.MORI_IO_SHORT_SLICE, env.MORI_IO_MOVE_COPY_THREADS) if v.raw()]
+    return "opt-in tuning set: " + ", ".join(f"{n}={os.environ[n]}" for n in on) if on else "no opt-in tuning set"
 
 
 def _version(dist: str) -> str:
@@ -1002,7 +1065,9 @@ def run(args: argparse.Namespace) -> int:
     if args.reps < 1 or args.iters < 0:
         raise SystemExit("mori bench io: --reps must be >= 1 and --iters >= 0")
     args.blocks = args.blocks or DEFAULT_BLOCKS
-    args.json = args.json or f"bench-results/io-{args.device}.json"
+    args.json = args.json or (
+        f"bench-results/io-cpu-{args.buffers}.json" if args.device == "cpu" else f"bench-results/io-{args.device}.json"
+    )
     if args.device == "cpu":
         args.batches = args.batches or DEFAULT_BATCHES
         info, rows = run_cpu(args)
