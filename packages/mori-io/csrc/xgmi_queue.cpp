@@ -382,16 +382,21 @@ void XgmiQueue::complete_loop() {
       queue_.pop_front();
     }
     if (p->done.load()) continue;
-    int code = SUCCESS;
-    std::string msg;
-    for (void* ev : p->events) {
-      int rc = cfg_.calls.event_synchronize(ev);
-      if (rc && code == SUCCESS) {
-        code = ERR_GPU_OP;
-        msg = p->what + ": " + error("event_synchronize", rc);
+    // No exception leaves this thread (it would end the process): a failure here fails the transfer.
+    try {
+      int code = SUCCESS;
+      std::string msg;
+      for (void* ev : p->events) {
+        int rc = cfg_.calls.event_synchronize(ev);
+        if (rc && code == SUCCESS) {
+          code = ERR_GPU_OP;
+          msg = p->what + ": " + error("event_synchronize", rc);
+        }
       }
+      finish(*p, code, msg);
+    } catch (const std::exception& e) {
+      finish(*p, ERR_GPU_OP, std::string("completing the transfer failed: ") + e.what());
     }
-    finish(*p, code, msg);
   }
 }
 
