@@ -6,4 +6,5 @@ namespace mori {
 void register_shm_segment(pybind11::module_& m);
 void register_atomics(pybind11::module_& m);
 void register_copy(pybind11::module_& m);
+void register_transport(pybind11::module_& m);
 }  // namespace mori

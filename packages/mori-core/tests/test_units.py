@@ -138,7 +138,7 @@ def test_native_stub_matches_the_built_module() -> None:
 
     stub_path = Path(mori.core.__file__).with_name("_core.pyi")
     tree = ast.parse(stub_path.read_text())
-    stubbed = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)} | {
+    stubbed = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
         n.target.id for n in tree.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
     }
     built = {name for name in dir(_core) if not name.startswith("_")}

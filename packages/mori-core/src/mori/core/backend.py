@@ -199,6 +199,28 @@ class Transport(ABC):
         """Reach ``peer``'s heap, or return None if this transport cannot reach that peer."""
 
 
+class NetworkTransport(Transport):
+    """A transport that reaches peers on other nodes through a network engine (``tcp`` in core,
+    ``ucx`` from mori-backend-ucx). It gives no load/store mapping; features move bytes through
+    its native ops table (the C ABI ``mori/transport.h``, opened by
+    :func:`mori.core.transport.open_transport`)."""
+
+    load_store = False
+
+    @abstractmethod
+    def ops(self) -> object:
+        """The native ops table: a PyCapsule named ``"mori.transport.v1"`` that stays valid as long
+        as the process lives."""
+
+    def options(self) -> str:
+        """The ``key=value;...`` options to open it with on this machine (from its environment
+        variables and the NIC plugins' data); ``""`` for its defaults."""
+        return ""
+
+    def connect(self, runtime: DeviceRuntime, me: PeerInfo, peer: PeerInfo) -> PeerSegment | None:
+        return None  # never a load/store mapping
+
+
 class NicProvider(ABC):
     """Host-side driver for one family of RDMA NICs (mlx5, bnxt, ionic, ...)."""
 
