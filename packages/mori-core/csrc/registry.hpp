@@ -7,4 +7,6 @@ void register_shm_segment(pybind11::module_& m);
 void register_atomics(pybind11::module_& m);
 void register_copy(pybind11::module_& m);
 void register_transport(pybind11::module_& m);
+void register_transfer(pybind11::module_& m);
+void register_tcp_transport(pybind11::module_& m);
 }  // namespace mori

@@ -131,15 +131,36 @@ def test_errors_share_one_root() -> None:
 
 
 def test_native_stub_matches_the_built_module() -> None:
+    """_core.pyi names every function, constant, class and method of the built module, no more."""
     import ast
     from pathlib import Path
 
     from mori.core import _core
 
-    stub_path = Path(mori.core.__file__).with_name("_core.pyi")
-    tree = ast.parse(stub_path.read_text())
-    stubbed = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
-        n.target.id for n in tree.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
-    }
-    built = {name for name in dir(_core) if not name.startswith("_")}
+    tree = ast.parse(Path(mori.core.__file__).with_name("_core.pyi").read_text())
+    stubbed: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            stubbed.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            stubbed.add(node.target.id)
+        elif isinstance(node, ast.ClassDef):
+            stubbed.add(node.name)
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name != "__init__":
+                    stubbed.add(f"{node.name}.{item.name}")
+                elif isinstance(item, ast.Assign):
+                    stubbed.update(f"{node.name}.{t.id}" for t in item.targets if isinstance(t, ast.Name))
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    stubbed.add(f"{node.name}.{item.target.id}")
+    built: set[str] = set()
+    for name in dir(_core):
+        if name.startswith("_"):
+            continue
+        built.add(name)
+        obj = getattr(_core, name)
+        if isinstance(obj, type):
+            members = obj.__members__ if name == "StatusCode" else vars(obj)
+            built.update(f"{name}.{m}" for m in members if not m.startswith("__") and "pybind11" not in m)
+    built -= {"StatusCode.name", "StatusCode.value"}  # pybind11 enum plumbing
     assert stubbed == built

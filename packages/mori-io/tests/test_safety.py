@@ -360,8 +360,8 @@ class _Backend:
         if self.broken:
             raise MoriBackendError("fake backend lost its device")
         st = TransferStatus()
-        st._set_in_progress()
-        threading.Timer(0.01, lambda: st._complete(0, "")).start()
+        st.set_in_progress()
+        threading.Timer(0.01, lambda: st.complete(0, "")).start()
         return st
 
     def on_register_memory(self, desc):

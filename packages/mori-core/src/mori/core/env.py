@@ -117,6 +117,15 @@ MORI_NODE_ID = EnvVar(
     "rack3-node7",
     str,
 )
+MORI_AUTH_TOKEN = EnvVar(
+    "MORI_AUTH_TOKEN",
+    None,
+    "The job's shared secret for connections of the built-in tcp transport (SHMEM across nodes, the "
+    "proxy): peers prove they hold it by HMAC challenge-response, it never crosses the wire. Required "
+    "for the transport to listen beyond loopback. mori-io has its own, MORI_IO_AUTH_TOKEN.",
+    "s3cret-job-42",
+    str,
+)
 MORI_SOCKET_IFNAME = EnvVar(
     "MORI_SOCKET_IFNAME",
     None,
@@ -147,6 +156,7 @@ ALL: tuple[EnvVar[object], ...] = (
     MORI_BOOTSTRAP_TIMEOUT,
     MORI_NODE_ID,
     MORI_SOCKET_IFNAME,
+    MORI_AUTH_TOKEN,
     MORI_DEVICE_RUNTIME,
     MORI_DISABLE_P2P,
 )

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib  # noqa: F401  (loads OpenSSL's libcrypto, which the native engine's authentication uses)
 
-from mori.io._engine import StatusCode, TransferStatus
+from mori.core.transfer import StatusCode, TransferStatus
 from mori.io._types import (
     BackendType,
     EngineDesc,

@@ -19,8 +19,8 @@ backend that supports the pair; if none is left the error propagates. Statuses t
 (asynchronously) are not retried: the caller sees ``Failed()`` with the backend's message.
 
 Completion. ``post`` returns a :class:`mori.io.TransferStatus`. A Python backend creates one with
-``TransferStatus()`` (state ``INIT``), may call ``status._set_in_progress()``, and finishes it
-exactly once with ``status._complete(code, message)`` from any thread; ``Wait``/``WaitFor``/
+``TransferStatus()`` (state ``INIT``), may call ``status.set_in_progress()``, and finishes it
+exactly once with ``status.complete(code, message)`` from any thread; ``Wait``/``WaitFor``/
 ``wait_all`` then return. Backends without notifications (XGMI) leave the target's
 ``pop_inbound_transfer_status`` empty, as the spec says.
 

@@ -852,8 +852,14 @@ def _manners() -> str:
     """Which of mori-io's opt-in tunings of the host process are on (all off: the defaults)."""
     from mori.io import env
 
-    on = [v.name for v in (env.MORI_IO_THP, env.MORI_IO_SHORT_SLICE, env.MORI_IO_MOVE_COPY_THREADS) if v.raw()]
-    return "opt-in tuning set: " + ", ".join(f"{n}={os.environ[n]}" for n in on) if on else "no opt-in tuning set"
+    on = [
+        v.name for v in (env.MORI_IO_THP, env.MORI_IO_SHORT_SLICE, env.MORI_IO_MOVE_COPY_THREADS) if v.raw()
+    ]
+    return (
+        "opt-in tuning set: " + ", ".join(f"{n}={os.environ[n]}" for n in on)
+        if on
+        else "no opt-in tuning set"
+    )
 
 
 def _version(dist: str) -> str:
@@ -1066,7 +1072,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("mori bench io: --reps must be >= 1 and --iters >= 0")
     args.blocks = args.blocks or DEFAULT_BLOCKS
     args.json = args.json or (
-        f"bench-results/io-cpu-{args.buffers}.json" if args.device == "cpu" else f"bench-results/io-{args.device}.json"
+        f"bench-results/io-cpu-{args.buffers}.json"
+        if args.device == "cpu"
+        else f"bench-results/io-{args.device}.json"
     )
     if args.device == "cpu":
         args.batches = args.batches or DEFAULT_BATCHES

@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from mori.core import topology
+from mori.core import topology, transfer
 from mori.core.errors import (
     MoriBackendError,
     MoriStateError,
@@ -22,8 +22,8 @@ from mori.core.errors import (
     bad_type,
     bad_value,
 )
-from mori.io import _engine, env
-from mori.io._engine import StatusCode, TransferStatus
+from mori.core.transfer import StatusCode, TransferStatus
+from mori.io import env
 from mori.io._types import (
     BackendType,
     EngineDesc,
@@ -74,13 +74,13 @@ def set_log_level(level: str | int) -> None:
         number = level
     else:
         raise bad_type("set_log_level", "level", level, "str or int")
-    _engine.set_log_level(number)
+    transfer.set_log_level(number)
     _log.setLevel(max(number, 1))
 
 
 def _failed(code: StatusCode, message: str) -> TransferStatus:
     st = TransferStatus()
-    st._complete(int(code), message)
+    st.complete(int(code), message)
     return st
 
 
@@ -98,12 +98,12 @@ class _TcpBackend:
 
     preference = 0
 
-    def __init__(self, native: _engine.Engine) -> None:
+    def __init__(self, native: transfer.TcpEngine) -> None:
         self._native = native
 
     def supports(self, local: MemoryDesc, remote: MemoryDesc) -> bool:
         # GPU memory goes through host staging buffers, once a device plugin has installed its
-        # copier (_engine.Engine.set_device_copier); the remote side needs one for its GPU memory
+        # copier (transfer.TcpEngine.set_device_copier); the remote side needs one for its GPU memory
         # too, and says so with ERR_INVALID_ARGS if it has none.
         if local.loc == MemoryLocationType.CPU and remote.loc == MemoryLocationType.CPU:
             return True
@@ -192,7 +192,7 @@ class IOEngine:
                 "IOEngine", "MORI_IO_AUTH_TOKEN", f"<{len(token)} characters>", "at most 1024 bytes"
             )
         try:
-            self._native = _engine.Engine(
+            self._native = transfer.TcpEngine(
                 key,
                 config.host,
                 config.port,
@@ -525,7 +525,7 @@ class IOEngine:
             if not isinstance(s, TransferStatus):
                 raise bad_type("wait_all", f"statuses[{i}]", s, "TransferStatus")
         _check_int("wait_all", "timeout_ms", timeout_ms, None, (1 << 63) - 1)
-        code: StatusCode = _engine.wait_all(statuses, timeout_ms)
+        code: StatusCode = transfer.wait_all(statuses, timeout_ms)
         return code
 
     def shutdown(self) -> None:

@@ -213,7 +213,8 @@ class XgmiBackend:
             return self._dev
 
     def _make_queue(self, st: Any) -> Any:
-        from mori.io import _engine, env
+        from mori.core import transfer
+        from mori.io import env
 
         drv = st.drv
         with st.active():
@@ -223,7 +224,7 @@ class XgmiBackend:
                     host = drv.host_alloc(3 * 8 * TABLE_ENTRIES)
                     self._tables.append((host, drv.host_device_pointer(host), drv.event_create()))
                 calls = self._native_calls(drv)
-                queue = _engine.XgmiQueue(
+                queue = transfer.XgmiQueue(
                     calls,
                     int(st.ctx),
                     self._streams,

@@ -8,7 +8,7 @@
 #include <mutex>
 #include <stdexcept>
 
-namespace mori::io {
+namespace mori::transfer {
 
 namespace {
 
@@ -106,4 +106,4 @@ std::string transcript(const char* side, const std::string& client_nonce, const 
   return t;
 }
 
-}  // namespace mori::io
+}  // namespace mori::transfer

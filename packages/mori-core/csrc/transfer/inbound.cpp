@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-namespace mori::io {
+namespace mori::transfer {
 
 void InboundTable::record(const std::string& key, uint64_t uid, uint32_t total, int code, const std::string& msg) {
   auto pit = peers_.find(key);
@@ -113,4 +113,4 @@ void InboundTable::compact() {
   order_.swap(kept);
 }
 
-}  // namespace mori::io
+}  // namespace mori::transfer

@@ -15,12 +15,13 @@
 #include <stdexcept>
 #include <system_error>
 
+#include "atomic_word.hpp"
 #include "auth.hpp"
 #include "engine.hpp"
 #include "log.hpp"
 #include "wire.hpp"
 
-namespace mori::io {
+namespace mori::transfer {
 
 namespace {
 
@@ -463,6 +464,40 @@ void Engine::serve_requests(int fd, const PeerCred& cred, const std::string& pee
       }
       continue;
     }
+    if (h.type == kAtomic) {  // one word of a region, by this thread's native atomics
+      AtomicReq req;
+      std::memcpy(&req, body.data(), sizeof req);
+      const unsigned width = word_bytes(int(req.word));
+      Header rep = make_header(kAtomicAck);
+      rep.req_id = h.req_id;
+      std::string msg;
+      Seg seg{req.off, width, 0};
+      RegionPtr region = width ? pin(h.mem_id, &seg, 1, &msg) : nullptr;
+      struct Unpin {
+        Engine* e;
+        RegionPtr r;
+        ~Unpin() {
+          if (r) e->unpin(r);
+        }
+      } unpin_guard{this, region};
+      uint64_t old = 0;
+      if (!width) {
+        msg = "unknown atomic word type " + std::to_string(req.word);
+      } else if (region && region->loc != 1) {
+        msg = "memory region " + std::to_string(h.mem_id) + " is not CPU memory: no atomics on it over TCP";
+      } else if (region && (region->addr + req.off) % width != 0) {
+        msg = "offset " + std::to_string(req.off) + " of memory region " + std::to_string(h.mem_id) +
+              " is not aligned to the " + std::to_string(width) + "-byte word";
+      } else if (region && !atomic_rmw_at(region->addr + req.off, int(req.op), int(req.word), req.value, req.compare, &old)) {
+        msg = "unknown atomic operation " + std::to_string(req.op);
+      }
+      rep.status = msg.empty() ? SUCCESS : ERR_INVALID_ARGS;
+      rep.mem_id = old;
+      if (msg.size() > kMaxText) msg.resize(kMaxText);
+      rep.body_len = uint32_t(msg.size());
+      if (!send_msg(fd, rep, msg.data(), nullptr, nullptr).empty()) return;
+      continue;
+    }
     if (h.type != kWrite && h.type != kRead) {
       protocol_errors.fetch_add(1);
       MORI_IO_LOG(30, "engine '%s': unexpected message type %d from '%s'", cfg_.key.c_str(), int(h.type),
@@ -633,4 +668,4 @@ void Engine::serve_requests(int fd, const PeerCred& cred, const std::string& pee
   }
 }
 
-}  // namespace mori::io
+}  // namespace mori::transfer

@@ -1,17 +1,20 @@
-// mori.io._engine: the native boundary of mori-io. No libtorch, no GPU runtime: memory crosses as
-// integer addresses. Every call that can wait or move bytes releases the GIL.
+// The one-sided transfer machinery's bindings in mori.core._core (public face: mori.core.transfer):
+// the TCP engine, the GPU copy queue (XGMI/NVLink peer copies) and the staging copier. No
+// libtorch, no GPU runtime: memory crosses as integer addresses. Every call that can wait or move
+// bytes releases the GIL.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <stdexcept>
 #include <tuple>
 
+#include "../registry.hpp"
 #include "engine.hpp"
 #include "gpu_copier.hpp"
 #include "xgmi_queue.hpp"
 
 namespace py = pybind11;
-using namespace mori::io;
+using namespace mori::transfer;
 
 namespace {
 
@@ -26,7 +29,7 @@ uint16_t op_code(const std::string& op) {
 
 // One index as a uint64: a non-negative int (or an object with __index__, not a bool, not a
 // float) below 2**64; anything else raises TypeError, which the Python side turns into a message
-// naming the argument (as mori.io._types._check_int does).
+// naming the argument (as mori.io does with its checks).
 inline bool small_u64(PyObject* it, uint64_t* v) {
 #if PY_VERSION_HEX < 0x030C0000
   // CPython 3.11 and older: Py_SIZE is the signed count of 30-bit digits. Offsets and sizes below
@@ -335,33 +338,9 @@ int g_fail_marker = 0;
 
 }  // namespace
 
-PYBIND11_MODULE(_engine, m) {
-  m.doc() = "Native engine of mori-io: registration table, TCP control/data plane, progress threads.";
+namespace mori {
 
-  // Native errors surface as the MORI error hierarchy: std::invalid_argument as MoriValueError
-  // (also a ValueError), any other std::exception as MoriBackendError (also a RuntimeError).
-  // pybind11's own exceptions (py::type_error, ...) keep their builtin types.
-  {
-    py::module_ errors = py::module_::import("mori.core.errors");
-    static PyObject* value_error = py::object(errors.attr("MoriValueError")).release().ptr();
-    static PyObject* backend_error = py::object(errors.attr("MoriBackendError")).release().ptr();
-    py::register_exception_translator([](std::exception_ptr p) {
-      try {
-        if (p) std::rethrow_exception(p);
-      } catch (const py::builtin_exception&) {
-        throw;
-      } catch (const py::error_already_set&) {
-        throw;
-      } catch (const std::invalid_argument& e) {
-        PyErr_SetString(value_error, e.what());
-      } catch (const std::bad_alloc&) {
-        throw;
-      } catch (const std::exception& e) {
-        PyErr_SetString(backend_error, e.what());
-      }
-    });
-  }
-
+void register_transfer(py::module_& m) {
   py::enum_<Code>(m, "StatusCode", py::arithmetic(), "Result of a transfer (TransferStatus.Code()).")
       .value("SUCCESS", SUCCESS)
       .value("INIT", INIT)
@@ -389,12 +368,12 @@ PYBIND11_MODULE(_engine, m) {
           py::call_guard<py::gil_scoped_release>(),
           "Block up to timeout_ms milliseconds (<0 forever, 0 polls once); True if finished. GIL released.")
       .def(
-          "_set_in_progress", [](const StatusPtr& s) { s->set_in_progress(); },
-          "For Python backends: mark a posted transfer.")
+          "set_in_progress", [](const StatusPtr& s) { s->set_in_progress(); },
+          "For backends written in Python: mark a posted transfer.")
       .def(
-          "_complete", [](const StatusPtr& s, int code, const std::string& msg) { return s->complete(code, msg); },
+          "complete", [](const StatusPtr& s, int code, const std::string& msg) { return s->complete(code, msg); },
           py::arg("code"), py::arg("message") = "",
-          "For Python backends: finish the status once (later calls return False).")
+          "For backends written in Python: finish the status once (later calls return False).")
       .def("__repr__", [](const StatusPtr& s) {
         std::string name = py::str(py::cast(Code(s->code())));
         std::string msg = s->message();
@@ -406,15 +385,16 @@ PYBIND11_MODULE(_engine, m) {
       [](const std::vector<StatusPtr>& statuses, int64_t timeout_ms) { return Code(wait_all(statuses, timeout_ms)); },
       py::arg("statuses"), py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>(),
       "Wait for every status: SUCCESS, the first failure's code, or IN_PROGRESS on timeout.");
-  m.def("set_log_level", &set_log_level, py::arg("level"), "Native log threshold (logging levels: 10..50).");
-  m.def("get_log_level", &log_level, "Native log threshold.");
-  m.def("_parse_message", &parse_message, py::arg("data"),
-        "Parse one complete wire message (for tests); raises ValueError when malformed.");
-  m.def("_move_off_cpu", &move_off_cpu, py::arg("tid"), py::arg("cpu"),
+  m.def("transfer_set_log_level", &set_log_level, py::arg("level"),
+        "Log threshold of the transfer engine (logging levels: 10..50).");
+  m.def("transfer_get_log_level", &log_level, "Log threshold of the transfer engine.");
+  m.def("parse_message", &parse_message, py::arg("data"),
+        "Parse one complete wire message of the TCP engine (for fuzz tests); raises ValueError when malformed.");
+  m.def("move_off_cpu", &move_off_cpu, py::arg("tid"), py::arg("cpu"),
         "Move thread `tid` (0: the calling one) off CPU `cpu`, its affinity mask left as it was (for "
         "tests); False when that is the only CPU it may run on.");
 
-  py::class_<Engine>(m, "Engine", "Native engine; mori.io.IOEngine wraps it.")
+  py::class_<Engine>(m, "TcpEngine", "The TCP engine (one-sided reads and writes into registered memory); mori.io.IOEngine wraps it.")
       .def(py::init([](const std::string& key, const std::string& host, uint16_t port, const std::string& node_id,
                        const std::string& token, int64_t cp_timeout_ms, bool allow_unauthenticated,
                        int max_connections, int max_handshakes, int64_t handshake_timeout_ms, int64_t idle_timeout_ms,
@@ -664,3 +644,5 @@ PYBIND11_MODULE(_engine, m) {
       m, "XgmiSessionPost", "Posts between two regions on the XGMI route (XgmiQueue.session); TypeError as SessionPost.");
   def_session_posts(xgmi_session_post);
 }
+
+}  // namespace mori

@@ -8,7 +8,7 @@
 #include <map>
 #include <string>
 
-namespace mori::io {
+namespace mori::transfer {
 
 // Driver functions as the device plugin's binding resolved them (addresses of C functions: the real
 // library's, or a test's). Where CUDA and HIP differ, the field says how.
@@ -95,4 +95,4 @@ inline std::string gpu_error(const GpuCalls& c, const std::string& op, int rc) {
   return call + " failed: " + (name ? std::string(name) + " (" + std::to_string(rc) + ")" : "result " + std::to_string(rc));
 }
 
-}  // namespace mori::io
+}  // namespace mori::transfer

@@ -35,7 +35,7 @@
 #define SYS_pidfd_open 434
 #endif
 
-namespace mori::io {
+namespace mori::transfer {
 
 namespace {
 
@@ -207,6 +207,7 @@ struct Transfer {
   Engine* eng = nullptr;
   StatusPtr st;
   RegionPtr local;
+  std::shared_ptr<uint64_t> result;  // an atomic's old value, set before its part completes
   std::atomic<uint32_t> remaining{0};
   std::mutex mu;
   int fail_code = SUCCESS;
@@ -454,7 +455,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
       pending_.emplace(id, p);
     }
     // Small messages go out from the caller when nobody else is sending: one wake-up less.
-    if (p->bytes <= (64u << 10) || (p->flags & kFlagCma) || p->op == kRead) {
+    if (p->bytes <= (64u << 10) || (p->flags & kFlagCma) || p->op == kRead || p->op == kAtomic) {
       std::unique_lock<std::mutex> s(send_mu_, std::try_to_lock);
       if (s.owns_lock()) {
         bool idle;
@@ -519,9 +520,14 @@ class Conn : public std::enable_shared_from_this<Conn> {
  private:
   // Returns false only with nonblocking_start when nothing could be sent without waiting.
   bool send_part(uint64_t id, const Part& p, bool nonblocking_start = false) {
-    if (p.op == kNotify) {
-      Header n = make_header(kNotify);
+    if (p.op == kNotify || p.op == kAtomic) {
+      Header n = make_header(p.op);
       n.body_len = uint32_t(p.body.size());
+      if (p.op == kAtomic) {
+        n.req_id = id;
+        n.mem_id = p.mem_id;
+        n.total_parts = 1;
+      }
       std::string err = send_msg(fd_.get(), n, p.body.data(), nullptr, &last_progress_);
       if (!err.empty()) fail("send failed: " + err);
       return true;
@@ -624,7 +630,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
       }
       last_progress_.store(now_ms());
       last_used_.store(now_ms(), std::memory_order_relaxed);
-      if (h.type != kAck && h.type != kReadData) {
+      if (h.type != kAck && h.type != kReadData && h.type != kAtomicAck) {
         fail("unexpected message type " + std::to_string(h.type));
         return;
       }
@@ -632,6 +638,18 @@ class Conn : public std::enable_shared_from_this<Conn> {
       if (!p) {
         fail("answer to an unknown request");
         return;
+      }
+      if ((h.type == kAtomicAck) != (p->op == kAtomic)) {
+        p->xfer->part_done(ERR_BAD_STATE, "answer does not match the request");
+        fail("answer does not match the request");
+        return;
+      }
+      if (h.type == kAtomicAck) {
+        int code = h.status;
+        if (code != SUCCESS && (code < ERR_INVALID_ARGS || code > ERR_GPU_OP)) code = ERR_BAD_STATE;
+        if (code == SUCCESS && p->xfer->result) *p->xfer->result = h.mem_id;
+        p->xfer->part_done(code, std::string(body.begin(), body.end()));
+        continue;
       }
       std::string text(body.begin(), body.end());
       if (h.type == kReadData && h.status == SUCCESS) {
@@ -1762,6 +1780,43 @@ StatusPtr Engine::post(uint16_t op, uint64_t local_id, const std::string& peer_k
   return st;
 }
 
+StatusPtr Engine::post_atomic(const std::string& peer_key, uint64_t remote_id, uint64_t off, int op, int word,
+                              uint64_t value, uint64_t compare, std::shared_ptr<uint64_t> old) {
+  auto st = std::make_shared<Status>();
+  PeerPtr peer;
+  {
+    std::lock_guard<std::mutex> g(peer_mu_);
+    auto it = peers_.find(peer_key);
+    if (it != peers_.end()) peer = it->second;
+  }
+  if (!peer) {
+    st->complete(ERR_NOT_FOUND, "remote engine '" + peer_key + "' is not registered");
+    return st;
+  }
+  std::vector<std::shared_ptr<Conn>> conns;
+  std::shared_ptr<Direct> direct;
+  std::string err = peer_conns(peer, &conns, &direct);
+  if (!err.empty()) {
+    st->complete(ERR_BAD_STATE, "remote engine '" + peer_key + "': " + err);
+    return st;
+  }
+  auto xfer = std::make_shared<Transfer>();
+  xfer->eng = this;
+  xfer->st = st;
+  xfer->result = std::move(old);
+  xfer->remaining = 1;
+  auto p = std::make_shared<Part>();
+  p->xfer = xfer;
+  p->op = kAtomic;
+  p->mem_id = remote_id;
+  AtomicReq req{off, uint32_t(op), uint32_t(word), value, compare};
+  const auto* b = reinterpret_cast<const uint8_t*>(&req);
+  p->body.assign(b, b + sizeof req);
+  st->set_in_progress();
+  conns[peer->rr.fetch_add(1) % conns.size()]->submit(p);
+  return st;
+}
+
 // -- direct path (initiator side) ------------------------------------------------------------
 
 namespace {
@@ -1982,4 +2037,4 @@ bool Engine::direct_post(Direct& d, const std::string& peer_key, uint16_t op, ui
   return true;
 }
 
-}  // namespace mori::io
+}  // namespace mori::transfer

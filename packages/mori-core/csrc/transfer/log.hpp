@@ -4,16 +4,16 @@
 #include <atomic>
 #include <cstdio>
 
-namespace mori::io {
+namespace mori::transfer {
 
 extern std::atomic<int> g_log_level;
 
 #define MORI_IO_LOG(level, ...)                           \
   do {                                                    \
-    if ((level) >= ::mori::io::g_log_level.load()) {      \
+    if ((level) >= ::mori::transfer::g_log_level.load()) {      \
       std::fprintf(stderr, "[mori.io] " __VA_ARGS__);     \
       std::fputc('\n', stderr);                           \
     }                                                     \
   } while (0)
 
-}  // namespace mori::io
+}  // namespace mori::transfer

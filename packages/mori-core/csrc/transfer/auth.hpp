@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string>
 
-namespace mori::io {
+namespace mori::transfer {
 
 constexpr size_t kNonceBytes = 32;
 constexpr size_t kMacBytes = 32;
@@ -33,4 +33,4 @@ bool equal_ct(const std::string& a, const std::string& b);
 std::string transcript(const char* side, const std::string& client_nonce, const std::string& server_nonce,
                        const std::string& initiator_key, const std::string& target_key, const std::string& instance);
 
-}  // namespace mori::io
+}  // namespace mori::transfer

@@ -11,7 +11,7 @@
 #include <chrono>
 #include <cstring>
 
-namespace mori::io {
+namespace mori::transfer {
 
 const char* const kTimedOut = "timed out";
 
@@ -261,4 +261,4 @@ int cma_copy(bool pull, pid_t pid, std::vector<iovec> local, std::vector<iovec> 
   return 0;
 }
 
-}  // namespace mori::io
+}  // namespace mori::transfer

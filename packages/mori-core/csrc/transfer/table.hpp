@@ -45,7 +45,7 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace mori::io {
+namespace mori::transfer {
 
 constexpr uint64_t kTableMagic = 0x314c4254494f524dull;  // "MROITBL1"
 constexpr uint32_t kTableVersion = 3;  // 3: slots in memfds of their own, passed over the Unix socket
@@ -154,4 +154,4 @@ inline bool table_read_entry(const TableEntry* e, uint64_t id, EntryView* out) {
   return false;
 }
 
-}  // namespace mori::io
+}  // namespace mori::transfer

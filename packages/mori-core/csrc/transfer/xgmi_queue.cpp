@@ -5,7 +5,7 @@
 #include <chrono>
 #include <stdexcept>
 
-namespace mori::io {
+namespace mori::transfer {
 
 namespace {
 
@@ -446,4 +446,4 @@ std::map<std::string, int64_t> XgmiQueue::counters() {
           {"events", int64_t(all_events_.size())}};
 }
 
-}  // namespace mori::io
+}  // namespace mori::transfer

@@ -17,7 +17,7 @@
 #include "engine.hpp"
 #include "gpu_calls.hpp"
 
-namespace mori::io {
+namespace mori::transfer {
 
 class GpuCopier {
  public:
@@ -47,4 +47,4 @@ class GpuCopier {
   std::atomic<int64_t> copies_{0};
 };
 
-}  // namespace mori::io
+}  // namespace mori::transfer

@@ -68,7 +68,7 @@
 #include "table.hpp"
 
 
-namespace mori::io {
+namespace mori::transfer {
 
 enum Code : int {
   SUCCESS = 0,
@@ -241,7 +241,7 @@ struct Part {
   uint64_t bytes = 0;
   int local_loc = 1;  // MemoryLocationType of the initiator's region: 1 CPU, else staged
   int local_device = -1;
-  std::vector<uint8_t> body;  // kNotify only: NotifyRecords
+  std::vector<uint8_t> body;  // kNotify: NotifyRecords; kAtomic: its AtomicReq
 };
 using PartPtr = std::shared_ptr<Part>;
 
@@ -305,6 +305,11 @@ class Engine {
   StatusPtr post(uint16_t op, uint64_t local_id, const std::string& peer_key, uint64_t remote_id,
                  const std::vector<uint64_t>& loffs, const std::vector<uint64_t>& roffs,
                  const std::vector<uint64_t>& sizes, uint64_t uid, bool remote_cpu, uint64_t remote_size);
+
+  // One atomic on the word at `off` of the peer's region `remote_id` (codes of mori/transport.h);
+  // *old receives the word's value before it, once the status succeeded.
+  StatusPtr post_atomic(const std::string& peer_key, uint64_t remote_id, uint64_t off, int op, int word, uint64_t value,
+                        uint64_t compare, std::shared_ptr<uint64_t> old);
 
   std::optional<std::pair<int, std::string>> pop_inbound(const std::string& key, uint64_t uid);
   std::string route_of(const std::string& peer_key, uint64_t local_id, bool remote_cpu);
@@ -445,4 +450,4 @@ PeerCred peer_credentials(int fd);
 // EEVDF custom slices; nothing otherwise.
 void request_short_slice();
 
-}  // namespace mori::io
+}  // namespace mori::transfer

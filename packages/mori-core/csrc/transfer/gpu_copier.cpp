@@ -3,7 +3,7 @@
 
 #include <stdexcept>
 
-namespace mori::io {
+namespace mori::transfer {
 
 namespace {
 
@@ -111,4 +111,4 @@ void GpuCopier::free_host(void* p) {
   gpu_restore(c_, ctx, prev);
 }
 
-}  // namespace mori::io
+}  // namespace mori::transfer

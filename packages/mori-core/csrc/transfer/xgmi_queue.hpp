@@ -36,7 +36,7 @@
 #include "engine.hpp"
 #include "gpu_calls.hpp"
 
-namespace mori::io {
+namespace mori::transfer {
 
 // A pinned host table the scatter-gather kernel reads: int64 [3, entries] (dst, src, size in words).
 struct GpuTable {
@@ -157,4 +157,4 @@ class XgmiQueue : public std::enable_shared_from_this<XgmiQueue> {
   std::atomic<int64_t> copies_{0}, kernel_launches_{0}, kernel_blocks_{0}, transfers_{0};
 };
 
-}  // namespace mori::io
+}  // namespace mori::transfer

@@ -5,7 +5,7 @@
 
 #include <utility>
 
-namespace mori::io {
+namespace mori::transfer {
 
 class Fd {
  public:
@@ -33,4 +33,4 @@ class Fd {
   int fd_ = -1;
 };
 
-}  // namespace mori::io
+}  // namespace mori::transfer

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-namespace mori::io {
+namespace mori::transfer {
 
 constexpr uint32_t kMagic = 0x4f49524d;  // "MRIO"
 constexpr uint16_t kVersion = 2;  // 2: challenge-response handshake, no pid claims
@@ -37,6 +37,8 @@ enum MsgType : uint16_t {
                   // slot's ring; body = NotifyRecords (table.hpp)
   kChallenge = 8,
   kAuth = 9,
+  kAtomic = 10,     // initiator -> target: mem_id, body = AtomicReq; answered by kAtomicAck
+  kAtomicAck = 11,  // status; mem_id = the word's value before the operation; body = error message
 };
 
 enum MsgFlags : uint32_t {
@@ -71,6 +73,16 @@ struct Seg {
   uint64_t len;
   uint64_t addr;
 };
+// One remote atomic (body of a kAtomic): the word at `off` in region mem_id, codes as in
+// mori/transport.h (op: MORI_TP_OP_*, word: MORI_TP_WORD_*).
+struct AtomicReq {
+  uint64_t off;
+  uint32_t op;
+  uint32_t word;
+  uint64_t value;
+  uint64_t compare;
+};
+
 // What the target tells an authenticated initiator (first string of a kHelloAck).
 struct AckParams {
   uint64_t idle_timeout_ms;  // the target closes a connection silent this long (0: never)
@@ -79,6 +91,7 @@ struct AckParams {
 #pragma pack(pop)
 static_assert(sizeof(Header) == 64, "header is 64 bytes on the wire");
 static_assert(sizeof(AckParams) == 16, "ack parameters are 16 bytes on the wire");
+static_assert(sizeof(AtomicReq) == 32, "an atomic request is 32 bytes on the wire");
 static_assert(sizeof(Seg) == 24, "segment is 24 bytes on the wire");
 
 inline Header make_header(uint16_t type) {
@@ -121,6 +134,15 @@ inline std::string check_header(const Header& h) {
       if (h.nsegs != 0) return "read data with segments";
       if (h.body_len > kMaxText) return "text body too long";
       if (h.status != 0 && h.payload_len != 0) return "failed read carries payload";
+      return "";
+    case kAtomic:
+      if (h.nsegs != 0 || h.payload_len != 0 || h.status != 0) return "atomic with segments, payload or a status";
+      if (h.body_len != sizeof(AtomicReq)) return "bad atomic body";
+      if (h.total_parts != 1) return "bad part count";
+      return "";
+    case kAtomicAck:
+      if (h.nsegs != 0 || h.payload_len != 0) return "atomic answer with segments or payload";
+      if (h.body_len > kMaxText) return "text body too long";
       return "";
     case kWrite:
     case kRead:
@@ -175,4 +197,4 @@ inline void append_string(std::vector<uint8_t>* body, const std::string& s) {
   body->insert(body->end(), s.begin(), s.end());
 }
 
-}  // namespace mori::io
+}  // namespace mori::transfer

@@ -18,7 +18,7 @@
 #include <unordered_map>
 #include <utility>
 
-namespace mori::io {
+namespace mori::transfer {
 
 struct InboundLimits {
   size_t per_peer = 65536;
@@ -69,4 +69,4 @@ class InboundTable {
   int64_t dropped_ = 0;
 };
 
-}  // namespace mori::io
+}  // namespace mori::transfer

@@ -12,7 +12,7 @@
 
 #include "protocol.hpp"
 
-namespace mori::io {
+namespace mori::transfer {
 
 int64_t now_ms();
 std::string errno_text(int e);
@@ -51,4 +51,4 @@ int wait_readable(int fd, int ms);
 // `pid`: pull = process_vm_readv (remote -> local). Returns 0 or the errno of the failure.
 int cma_copy(bool pull, pid_t pid, std::vector<iovec> local, std::vector<iovec> remote);
 
-}  // namespace mori::io
+}  // namespace mori::transfer
