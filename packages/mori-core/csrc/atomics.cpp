@@ -55,9 +55,11 @@ T rmw(T* p, Op op, T v) {
   constexpr int mo = __ATOMIC_SEQ_CST;
   switch (op) {
     case Op::kFetch: return __atomic_load_n(p, mo);
-    case Op::kSet: { T old = __atomic_load_n(p, mo); __atomic_store_n(p, v, mo); return old; }
-    case Op::kAdd: return __atomic_fetch_add(p, v, mo);
+    // SET returns the value it replaced, so it is an exchange: a load followed by a store would
+    // lose a peer's update landing between the two, and report an old value that never was.
+    case Op::kSet:
     case Op::kSwap: return __atomic_exchange_n(p, v, mo);
+    case Op::kAdd: return __atomic_fetch_add(p, v, mo);
     case Op::kAnd: return __atomic_fetch_and(p, v, mo);
     case Op::kOr: return __atomic_fetch_or(p, v, mo);
     case Op::kXor: return __atomic_fetch_xor(p, v, mo);
