@@ -10,9 +10,11 @@
 
 #include <cerrno>
 #include <cstdint>
-#include <cstring>
+#include <limits>
 #include <string>
 
+#include "errors.hpp"
+#include "fd.hpp"
 #include "registry.hpp"
 
 namespace py = pybind11;
@@ -20,77 +22,78 @@ namespace py = pybind11;
 namespace mori {
 namespace {
 
-[[noreturn]] void raise_os_error(const std::string& what, const std::string& name, int err) {
-  PyErr_SetObject(PyExc_OSError,
-                  py::make_tuple(err, what + " '" + name + "': " + std::strerror(err)).ptr());
-  throw py::error_already_set();
-}
-
 // Every mapping starts on a kMapAlign boundary, so an allocation aligned within the heap is
 // aligned in every process's address space too (up to kMapAlign), whatever mmap would pick.
 constexpr std::size_t kMapAlign = std::size_t{2} << 20;
 
-void* map_fd(int fd, std::size_t size, const std::string& name) {
+std::string quoted(const std::string& name) { return "'" + name + "'"; }
+
+// Map `size` bytes of `fd` at a kMapAlign-aligned address.
+Mapping map_fd(const UniqueFd& fd, std::size_t size, const std::string& name) {
   const std::size_t span = size + kMapAlign;
   void* reserve = mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (reserve == MAP_FAILED) {
-    int err = errno;
-    close(fd);
-    raise_os_error("mmap (address reservation) for", name, err);
-  }
+  if (reserve == MAP_FAILED) raise_os_error("mmap (address reservation) for " + quoted(name), errno);
+  Mapping reservation(reserve, span);
   const auto start = reinterpret_cast<std::uintptr_t>(reserve);
   const std::uintptr_t aligned = (start + kMapAlign - 1) & ~(kMapAlign - 1);
-  void* addr = mmap(reinterpret_cast<void*>(aligned), size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
-  int err = errno;
-  close(fd);
-  if (addr == MAP_FAILED) {
-    munmap(reserve, span);
-    raise_os_error("mmap of shared-memory segment", name, err);
-  }
-  // give back the unused head and tail of the reservation
+  void* addr = mmap(reinterpret_cast<void*>(aligned), size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                    fd.get(), 0);
+  if (addr == MAP_FAILED) raise_os_error("mmap of shared-memory segment " + quoted(name), errno);
+  // The segment now covers [aligned, aligned + size) of the reservation: give back its head and tail.
+  reservation.release();
   if (aligned > start) munmap(reserve, aligned - start);
   const std::uintptr_t end = aligned + size, reserve_end = start + span;
   if (reserve_end > end) munmap(reinterpret_cast<void*>(end), reserve_end - end);
-  return addr;
+  return Mapping(addr, size);
 }
 
-std::uintptr_t create_segment(const std::string& name, std::size_t size) {
-  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0) raise_os_error("shm_open(create)", name, errno);
-  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
-    int err = errno;
-    close(fd);
+std::size_t size_arg(py::handle v, const char* func) {
+  auto size = int_arg<std::size_t>(v, func, "size");
+  if (size == 0 || size > static_cast<std::size_t>(std::numeric_limits<off_t>::max()) - kMapAlign)
+    raise_error("MoriValueError", std::string(func) + ": size=" + std::to_string(size) +
+                                      " is not allowed; expected a number of bytes > 0");
+  return size;
+}
+
+std::uintptr_t create_segment(py::handle name_arg, py::handle size_arg_) {
+  const std::string name = str_arg(name_arg, "shm_create", "name");
+  const std::size_t size = size_arg(size_arg_, "shm_create");
+  UniqueFd fd(shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600));
+  if (!fd) raise_os_error("shm_open(create) " + quoted(name), errno);
+  try {
+    if (ftruncate(fd.get(), static_cast<off_t>(size)) != 0) raise_os_error("ftruncate " + quoted(name), errno);
+    return map_fd(fd, size, name).release();
+  } catch (...) {
     shm_unlink(name.c_str());
-    raise_os_error("ftruncate", name, err);
+    throw;
   }
-  return reinterpret_cast<std::uintptr_t>(map_fd(fd, size, name));
 }
 
-std::uintptr_t open_segment(const std::string& name, std::size_t size) {
-  int fd = shm_open(name.c_str(), O_RDWR, 0600);
-  if (fd < 0) raise_os_error("shm_open(open)", name, errno);
+std::uintptr_t open_segment(py::handle name_arg, py::handle size_arg_) {
+  const std::string name = str_arg(name_arg, "shm_open", "name");
+  const std::size_t size = size_arg(size_arg_, "shm_open");
+  UniqueFd fd(shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600));
+  if (!fd) raise_os_error("shm_open(open) " + quoted(name), errno);
   struct stat st {};
-  if (fstat(fd, &st) != 0) {
-    int err = errno;
-    close(fd);
-    raise_os_error("fstat", name, err);
-  }
-  if (static_cast<std::size_t>(st.st_size) < size) {
-    close(fd);
-    throw py::value_error("shared-memory segment '" + name + "' holds " + std::to_string(st.st_size) +
-                          " bytes, fewer than the " + std::to_string(size) + " expected");
-  }
-  return reinterpret_cast<std::uintptr_t>(map_fd(fd, size, name));
+  if (fstat(fd.get(), &st) != 0) raise_os_error("fstat " + quoted(name), errno);
+  if (static_cast<std::size_t>(st.st_size) < size)
+    raise_error("MoriValueError", "shared-memory segment " + quoted(name) + " holds " +
+                                      std::to_string(st.st_size) + " bytes, fewer than the " +
+                                      std::to_string(size) + " expected");
+  return map_fd(fd, size, name).release();
 }
 
-void unmap(std::uintptr_t addr, std::size_t size) {
-  if (munmap(reinterpret_cast<void*>(addr), size) != 0) raise_os_error("munmap", "<mapping>", errno);
+void unmap(py::handle addr_arg, py::handle size_arg_) {
+  const auto addr = int_arg<std::uintptr_t>(addr_arg, "shm_unmap", "addr");
+  const auto size = int_arg<std::size_t>(size_arg_, "shm_unmap", "size");
+  if (munmap(reinterpret_cast<void*>(addr), size) != 0) raise_os_error("munmap", errno);
 }
 
-bool unlink_segment(const std::string& name) {
+bool unlink_segment(py::handle name_arg) {
+  const std::string name = str_arg(name_arg, "shm_unlink", "name");
   if (shm_unlink(name.c_str()) == 0) return true;
   if (errno == ENOENT) return false;
-  raise_os_error("shm_unlink", name, errno);
+  raise_os_error("shm_unlink " + quoted(name), errno);
 }
 
 }  // namespace

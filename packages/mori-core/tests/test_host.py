@@ -171,6 +171,8 @@ def _atomic_edges(rank: int, nranks: int) -> None:
     assert shmem.shmem_atomic_fetch(word, rank, dtype=torch.int64) == -5
     with pytest.raises(MoriValueError, match="does not fit"):
         shmem.shmem_atomic_set(word, 2**32, rank, dtype="uint32")
+    with pytest.raises(MoriValueError, match="value -1 does not fit"):  # was pybind's RuntimeError
+        shmem.shmem_atomic_compare_swap(word, -1, 0, rank, dtype="uint64")
     with pytest.raises(MoriValueError, match="dtype='float32'"):
         shmem.shmem_atomic_add(word, 1, rank, dtype="float32")
     with pytest.raises(MoriValueError, match="not aligned"):
