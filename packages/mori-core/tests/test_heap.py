@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +15,8 @@ from typing import Any
 import pytest
 
 import mori.shmem as shmem
-from mori.core.backends.cpu import SEGMENT_PREFIX, sweep_stale_segments
+from mori.core.backend import PeerInfo
+from mori.core.backends.cpu import SEGMENT_PREFIX, CpuRuntime, stale_segments, sweep_stale_segments
 from mori.core.errors import (
     MoriBackendError,
     MoriOutOfMemoryError,
@@ -217,28 +220,40 @@ def test_killed_ranks_leave_nothing_in_dev_shm(tmp_path: Path, clean_env: pytest
             p.wait()
             if p.stdout is not None:
                 p.stdout.close()
-    # each killed rank's segment name carries its pid; none may be left
+    # each killed rank's segment name carries its pid (mori-heap.<job>.<pe>.<pid>); none may be left
     assert [
-        n for n in os.listdir("/dev/shm") for p in procs if n.startswith(f"{SEGMENT_PREFIX}{p.pid}.")
+        n
+        for n in os.listdir("/dev/shm")
+        for p in procs
+        if n.startswith(SEGMENT_PREFIX) and n.endswith(f".{p.pid}")
     ] == []
 
 
-def test_stale_segments_of_dead_processes_are_swept() -> None:
-    # A rank killed between creating its segment and the peers' mapping leaves a name behind;
-    # the next job on the node removes it (the owner pid is part of the name).
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    name = f"{SEGMENT_PREFIX}{dead.pid}.feedface.0"
-    Path("/dev/shm", name).write_bytes(b"x")
-    alive = f"{SEGMENT_PREFIX}{os.getpid()}.feedface.1"
-    Path("/dev/shm", alive).write_bytes(b"x")
+def test_stale_segments_are_proven_dead_by_their_lock() -> None:
+    # A segment's creator holds a lock on it until its name is gone; a name nobody holds the lock
+    # of is stale (its creator died before the peers mapped it), whatever its pid says.
+    runtime = CpuRuntime()
+    alive = runtime.create_segment(1 << 20, f"{secrets.token_hex(8)}.0")
+    alive_name = alive.name.lstrip("/")
+    dead = f"{SEGMENT_PREFIX}{secrets.token_hex(8)}.1.{os.getpid()}"  # our own pid, and yet dead
+    Path("/dev/shm", dead).write_bytes(b"x")
+    fresh = f"{SEGMENT_PREFIX}{secrets.token_hex(8)}.2.1"  # size 0: a creator may be about to lock it
+    Path("/dev/shm", fresh).touch()
+    old_format = f"{SEGMENT_PREFIX}1.{secrets.token_hex(6)}.3"  # an older mori's: no lock to judge by
+    Path("/dev/shm", old_format).write_bytes(b"x")
     try:
+        assert dead in stale_segments() and alive_name not in stale_segments()
         removed = sweep_stale_segments()
-        assert name in removed and alive not in removed
-        assert not Path("/dev/shm", name).exists() and Path("/dev/shm", alive).exists()
+        assert dead in removed
+        assert not {alive_name, fresh, old_format} & set(removed)
+        assert not Path("/dev/shm", dead).exists()
+        assert all(Path("/dev/shm", n).exists() for n in (alive_name, fresh, old_format))
+        alive.seal()  # unlinking drops the lock, after the name is gone
+        assert not Path("/dev/shm", alive_name).exists()
     finally:
-        Path("/dev/shm", alive).unlink(missing_ok=True)
-        Path("/dev/shm", name).unlink(missing_ok=True)
+        alive.close()
+        for n in (dead, fresh, old_format):
+            Path("/dev/shm", n).unlink(missing_ok=True)
 
 
 def _slow_barrier(rank: int, nranks: int, uid: bytes) -> str:
@@ -260,3 +275,65 @@ def test_barrier_timeout_names_missing_pes() -> None:
     out = run_ranks(_slow_barrier, 3, uid, timeout=60)
     for msg in out[:2]:
         assert "shmem_barrier_all: PEs 2 of 3 did not arrive within 3 s" in msg
+
+
+def _other_pid_namespace() -> list[str]:
+    """The command prefix that runs a process in a new PID namespace sharing /dev/shm, or skip."""
+    cmd = ["unshare", "--pid", "--fork", "--mount-proc"]
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    probe = subprocess.run([*cmd, "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare --pid is not permitted here: {probe.stderr.strip()}")
+    return cmd
+
+
+_HOLD_A_SEGMENT = """
+import sys, time
+from mori.core.backends.cpu import CpuRuntime
+seg = CpuRuntime().create_segment(1 << 20, sys.argv[1])
+print(seg.name, flush=True)
+time.sleep(600)
+"""
+
+_INIT_ONE_RANK = """
+import mori.shmem as shmem
+shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, 0, 1, shmem.shmem_get_unique_id())
+shmem.shmem_finalize()
+print("init ok", flush=True)
+"""
+
+
+def test_init_in_another_pid_namespace_removes_only_dead_segments(clean_env: pytest.MonkeyPatch) -> None:
+    # Another job's mori init runs in a new PID namespace that shares /dev/shm (a container
+    # without its own /dev/shm): pid numbers mean nothing across it. A live job's segment that
+    # its peers have not mapped yet must survive that init; one whose owner was killed must not.
+    cmd = _other_pid_namespace()
+    runtime = CpuRuntime()
+    live = runtime.create_segment(1 << 20, f"{secrets.token_hex(8)}.0")
+    killed = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_A_SEGMENT, f"{secrets.token_hex(8)}.1"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert killed.stdout is not None
+        dead_name = killed.stdout.readline().strip()
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        killed.stdout.close()
+        assert Path("/dev/shm", dead_name.lstrip("/")).exists()  # killed before its peers mapped it
+        env = {**os.environ, "MORI_SHMEM_HEAP_SIZE": "8M", "MORI_DEVICE_RUNTIME": "cpu"}
+        out = subprocess.run(
+            [*cmd, sys.executable, "-c", _INIT_ONE_RANK], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0 and "init ok" in out.stdout, out.stderr
+        assert Path("/dev/shm", live.name.lstrip("/")).exists(), "a live job's segment was removed"
+        assert not Path("/dev/shm", dead_name.lstrip("/")).exists(), "a dead owner's segment was kept"
+        # and a peer of the live job can still map it
+        info = PeerInfo(1, "n", "h", os.getpid(), "cpu", live.size, segment_handle=live.handle)
+        peer = runtime.open_peer_segment(info)
+        peer.close()
+    finally:
+        live.close()
+        Path("/dev/shm", dead_name.lstrip("/")).unlink(missing_ok=True)

@@ -178,6 +178,6 @@ def test_native_errors_are_mori_errors() -> None:
         with pytest.raises(kind, match=text):
             call()
     with pytest.raises(errors.MoriOSError, match="No such file") as info:
-        _core.shm_open("/mori-test-no-such-segment", 4096)
+        _core.SharedMemory.open("/mori-test-no-such-segment", 4096)
     assert isinstance(info.value, OSError) and info.value.errno == errno.ENOENT
     assert word.value == 0  # nothing was written by a rejected call

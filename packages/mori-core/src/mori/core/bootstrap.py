@@ -120,9 +120,15 @@ class StoreBootstrap:
         self._store = _connect(self._uid, self.timeout_s)
         self._round = 0
         self._closed = False
-        # The first round checks that every rank agrees on the world size.
-        sizes = self.allgather(json.dumps({"nranks": nranks, "pid": os.getpid()}).encode(), what="rendezvous")
-        disagree = [r for r, raw in enumerate(sizes) if json.loads(raw)["nranks"] != nranks]
+        # The first round checks that every rank agrees on the world size, and gives the job its id.
+        hello = {"nranks": nranks, "pid": os.getpid(), "job": secrets.token_hex(8)}
+        sizes = [json.loads(raw) for raw in self.allgather(json.dumps(hello).encode(), what="rendezvous")]
+        #: 16 hex digits naming this job (rank 0's pick), the same on every rank; e.g. in heap segment names
+        job = sizes[0].get("job")
+        if not (isinstance(job, str) and len(job) == 16 and all(c in "0123456789abcdef" for c in job)):
+            raise MoriValueError(f"{func}: rank 0 sent the job id {job!r}; expected 16 hex digits")
+        self.job_id: str = job
+        disagree = [r for r, hi in enumerate(sizes) if hi["nranks"] != nranks]
         if disagree:
             raise MoriValueError(
                 f"{func}: ranks {format_ranks(disagree)} were started with a different nranks than {nranks}"

@@ -289,6 +289,7 @@ def shmem_heap_info() -> dict[str, Any]:
     ctx = current("shmem_heap_info")
     return {
         "runtime": ctx.runtime.name,
+        "job_id": ctx.bootstrap.job_id,
         "base": ctx.base,
         "size": ctx.heap_size,
         "user_offset": layout.USER_OFF,
