@@ -183,14 +183,29 @@ def test_unreachable_peer_gives_zero_and_clear_errors() -> None:
     shmem_ranks(_disable_p2p, 2, env={"MORI_DISABLE_P2P": "1"})
 
 
-def _heap_file_names(rank: int, nranks: int) -> list[str]:
+def _own_heap_names(rank: int, nranks: int) -> tuple[list[str], list[str]]:
+    from mori.shmem.context import current
+
     shmem.shmem_barrier_all()
-    return sorted(p.name for p in Path("/dev/shm").glob(f"{SEGMENT_PREFIX}*"))
+    job = shmem.shmem_heap_info()["job_id"]
+    # the names every PE actually created carry the job's prefix
+    prefix = f"/{SEGMENT_PREFIX}{job}."
+    names = [i.segment_handle.decode() for i in current("test").peer_infos]
+    assert all(n.startswith(prefix) for n in names), names
+    return sorted(p.name for p in Path("/dev/shm").glob(f"{SEGMENT_PREFIX}{job}.*")), names
 
 
 def test_segments_are_unlinked_once_every_peer_mapped() -> None:
-    # After init no name is left in /dev/shm: the memory dies with the last process mapping it.
-    assert shmem_ranks(_heap_file_names, 4) == [[]] * 4
+    # After init no name of this job is left in /dev/shm: the memory dies with the last process
+    # mapping it. Another job's segment (here one mid-init, still named) must not matter.
+    other = CpuRuntime().create_segment(1 << 20, f"{secrets.token_hex(8)}.0")
+    try:
+        results = shmem_ranks(_own_heap_names, 4)
+        assert [left for left, _ in results] == [[]] * 4
+        assert all(names == results[0][1] for _, names in results)  # one job: one set of names
+        assert Path("/dev/shm", other.name.lstrip("/")).exists()
+    finally:
+        other.close()
 
 
 _KILLED_RANK = """
