@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
 
 import pytest
@@ -192,3 +193,47 @@ def _raises_in_rank(rank: int, nranks: int) -> None:
 def test_launcher_reraises_the_failing_rank() -> None:
     with pytest.raises(RankError, match="rank 1 of 2 failed:\nValueError: boom in rank 1"):
         run_ranks(_raises_in_rank, 2, timeout=60)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _group_init_with_an_absent_rank(rank: int, nranks: int, port: int, absent: int) -> Any:
+    import torch.distributed as dist
+
+    os.environ.update(MORI_BOOTSTRAP_TIMEOUT="2", MORI_SHMEM_HEAP_SIZE="8M")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nranks)
+    try:
+        if rank == absent:
+            time.sleep(4)  # in the group, but never calls shmem_torch_process_group_init
+            return ("absent",)
+        t0 = time.monotonic()
+        try:
+            shmem.shmem_torch_process_group_init("default")
+        except MoriTimeoutError as e:
+            return ("timeout", e.missing, str(e), time.monotonic() - t0)
+        shmem.shmem_finalize()
+        return ("ok",)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("absent", [0, 2])
+def test_torch_process_group_init_times_out_naming_an_absent_rank(absent: int) -> None:
+    # Bounded by MORI_BOOTSTRAP_TIMEOUT (2 s here), not by torch's own timeout (30 min for gloo),
+    # also when the absent rank is rank 0 of the group.
+    out = run_ranks(_group_init_with_an_absent_rank, 3, _free_port(), absent, timeout=60)
+    for rank, res in enumerate(out):
+        if rank == absent:
+            continue
+        kind, missing, message, took = res
+        assert kind == "timeout" and missing == [absent], res
+        assert (
+            f"ranks {absent} of 3 did not arrive within 2 s" in message
+            and "MORI_BOOTSTRAP_TIMEOUT" in message
+        )
+        assert "group 'default'" in message
+        assert took < 10

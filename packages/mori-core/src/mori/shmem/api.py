@@ -50,7 +50,7 @@ def shmem_init_attr(flags: int, rank: int, nranks: int, uid: Any) -> int:
         if not isinstance(uid, (bytes, bytearray, memoryview)):
             raise bad_value(func, "uid", type(uid).__name__, "bytes from shmem_get_unique_id()")
         context.install(
-            func, lambda: ShmemContext(bootstrap.StoreBootstrap(rank, nranks, bytes(uid), func=func))
+            func, lambda: ShmemContext(bootstrap.from_unique_id(rank, nranks, bytes(uid), func=func))
         )
     elif flags == MORI_SHMEM_INIT_WITH_MPI_COMM:
 
@@ -76,7 +76,10 @@ def shmem_torch_process_group_init(group_name: str) -> int:
 
     ``group_name``: the name the group was registered under with
     ``torch._C._distributed_c10d._register_process_group(name, group)``; ``"default"`` also finds
-    the world group when nothing is registered under that name.
+    the world group when nothing is registered under that name. The ranks meet in the group's
+    store, not through a collective: a rank of the group that never calls this makes the others
+    fail after ``MORI_BOOTSTRAP_TIMEOUT`` with a :class:`~mori.core.errors.MoriTimeoutError` naming
+    it (its rank in the group).
     """
     func = "shmem_torch_process_group_init"
     context.install(func, lambda: ShmemContext(bootstrap.from_process_group(group_name, func=func)))
