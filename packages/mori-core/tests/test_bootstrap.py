@@ -237,3 +237,28 @@ def test_torch_process_group_init_times_out_naming_an_absent_rank(absent: int) -
         )
         assert "group 'default'" in message
         assert took < 10
+
+
+def _init_twice_with_one_uid(rank: int, nranks: int, uid: bytes) -> tuple[str, float]:
+    os.environ.update(MORI_BOOTSTRAP_TIMEOUT="10", MORI_SHMEM_HEAP_SIZE="8M")
+    shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, rank, nranks, uid)
+    shmem.shmem_finalize()
+    t0 = time.monotonic()
+    try:
+        shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, rank, nranks, uid)
+    except MoriValueError as e:
+        return str(e), time.monotonic() - t0
+    shmem.shmem_finalize()
+    return "init worked", 0.0
+
+
+def test_a_unique_id_serves_one_init(clean_env: pytest.MonkeyPatch) -> None:
+    uid = shmem.shmem_get_unique_id()
+    for message, took in run_ranks(_init_twice_with_one_uid, 2, uid, timeout=60):
+        assert "uid has already been used" in message and "call shmem_get_unique_id() again" in message
+        assert took < 2  # said at once, not after MORI_BOOTSTRAP_TIMEOUT
+    # a process that never used it (a restarted rank) is told the same, by the store
+    clean_env.setenv("MORI_BOOTSTRAP_TIMEOUT", "10")
+    with pytest.raises(MoriValueError, match="uid has already been used by a job of 2 ranks"):
+        shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, 1, 2, uid)
+    assert not shmem.shmem_is_initialized()

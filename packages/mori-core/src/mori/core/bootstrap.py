@@ -9,6 +9,7 @@ Three ways in, all ending in a :class:`StoreBootstrap` over a torch ``Store``:
 * an **MPI communicator** (mpi4py): rank 0 makes the unique id and broadcasts it.
 
 Every wait honours ``MORI_BOOTSTRAP_TIMEOUT`` and, when it fires, names the ranks that did not arrive.
+A unique id serves one init: once its job has met, joining it again fails at once.
 """
 
 from __future__ import annotations
@@ -76,16 +77,22 @@ class UniqueId:
 # Stores this process serves, by nonce: the process that made a unique id keeps its server alive
 # and, when it is also a rank, talks to it directly.
 _servers: dict[bytes, Any] = {}
+# Nonces of unique ids this process has completed a rendezvous with: spent, never joined again.
+_spent: set[bytes] = set()
 _servers_lock = threading.Lock()
 # Inits over each torch.distributed group in this process: each one rendezvouses under its own
 # number, so a re-init after finalize never meets the keys of the last one.
 _group_inits: dict[str, int] = {}
 
+# The key whose presence says a unique id's job has completed its rendezvous.
+_SPENT_KEY = "spent"
+
 
 def get_unique_id() -> bytes:
     """Start a rendezvous store in this process and return the 128-byte id that names it.
 
-    The process must stay alive until every rank has initialised (it serves the store).
+    The process must stay alive until every rank has initialised (it serves the store). An id serves one init:
+    after the job completed its rendezvous it is spent, and joining it again fails at once.
     ``MORI_SOCKET_IFNAME`` picks the interface whose address goes into the id.
     """
     from torch._C._distributed_c10d import TCPStore
@@ -128,7 +135,9 @@ class StoreBootstrap:
     """Allgather and barrier among ``nranks`` ranks over a torch key-value ``Store`` (keys under a
     prefix of this job's own); every wait names the ranks that are late.
 
-    ``where`` describes the store for messages (``"the rendezvous store at host:port"``).
+    ``where`` describes the store for messages (``"the rendezvous store at host:port"``);
+    ``single_use``: the store belongs to one job (a unique
+    id's), which marks it spent once every rank arrived; a later join fails at once.
     """
 
     def __init__(
@@ -139,6 +148,7 @@ class StoreBootstrap:
         *,
         func: str = "shmem_init_attr",
         where: str = "the rendezvous store",
+        single_use: bool = False,
     ) -> None:
         _check_rank(func, rank, nranks)
         self.rank = rank
@@ -148,11 +158,15 @@ class StoreBootstrap:
         self._where = where
         self._round = 0
         self._closed = False
+        if single_use:
+            self._refuse_if_spent(func)
         # The first round checks that every rank agrees on the world size, and gives the job its id.
         hello = {"nranks": nranks, "pid": os.getpid(), "job": secrets.token_hex(8)}
         sizes = [
             json.loads(raw) for raw in self.allgather(json.dumps(hello).encode(), what=f"{func} rendezvous")
         ]
+        if single_use:
+            self._call("set", _SPENT_KEY, str(nranks).encode())
         job = sizes[0].get("job")
         if not (isinstance(job, str) and len(job) == 16 and all(c in "0123456789abcdef" for c in job)):
             raise MoriValueError(f"{func}: rank 0 sent the job id {job!r}; expected 16 hex digits")
@@ -173,6 +187,15 @@ class StoreBootstrap:
                 f"{self._where} failed ({type(e).__name__}: {e}): has the process that serves it exited? "
                 f"(a unique id's store lives in the process that called shmem_get_unique_id())"
             ) from e
+
+    def _refuse_if_spent(self, func: str) -> None:
+        if self._call("check", [_SPENT_KEY]):
+            size = bytes(self._call("get", _SPENT_KEY)).decode()
+            raise MoriValueError(
+                f"{func}: this uid has already been used by a job of {size} ranks that completed its "
+                f"rendezvous; a unique id serves one init: call shmem_get_unique_id() again and hand "
+                f"the new id to every rank"
+            )
 
     def allgather(self, data: bytes, *, what: str = "allgather") -> list[bytes]:
         """Every rank contributes ``data``; all receive the list in rank order. Collective."""
@@ -213,6 +236,13 @@ def from_unique_id(rank: int, nranks: int, uid: bytes, *, func: str = "shmem_ini
     """Join the job whose rendezvous store the unique id ``uid`` names (see :func:`get_unique_id`)."""
     _check_rank(func, rank, nranks)
     parsed = UniqueId.unpack(uid)
+    with _servers_lock:
+        spent = parsed.nonce in _spent
+    if spent:
+        raise MoriValueError(
+            f"{func}: this uid has already been used by this process for an init; a unique id serves one "
+            f"init: call shmem_get_unique_id() again and hand the new id to every rank"
+        )
     timeout_s = env.MORI_BOOTSTRAP_TIMEOUT.require()
     boot = StoreBootstrap(
         rank,
@@ -220,7 +250,10 @@ def from_unique_id(rank: int, nranks: int, uid: bytes, *, func: str = "shmem_ini
         _connect(parsed, timeout_s),
         func=func,
         where=f"the rendezvous store at {parsed.host}:{parsed.port}",
+        single_use=True,
     )
+    with _servers_lock:
+        _spent.add(parsed.nonce)
     return boot
 
 

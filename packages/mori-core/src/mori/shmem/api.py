@@ -31,7 +31,8 @@ def shmem_get_unique_id() -> bytes:
     """Return a 128-byte id to pass to :func:`shmem_init_attr` on every rank.
 
     Starts the rendezvous store (a torch ``TCPStore``) in this process, which must stay alive until
-    every rank has initialised. Usually rank 0 calls it and sends the bytes to the others.
+    every rank has initialised. Usually rank 0 calls it and sends the bytes to the others. An id
+    serves one init; make a new one for the next.
     """
     return bootstrap.get_unique_id()
 
@@ -43,7 +44,9 @@ def shmem_init_attr(flags: int, rank: int, nranks: int, uid: Any) -> int:
     :func:`shmem_get_unique_id`) or :data:`MORI_SHMEM_INIT_WITH_MPI_COMM` (``uid`` = an mpi4py
     communicator, or None for ``COMM_WORLD``; ``rank``/``nranks`` must match it).
     Waits at most ``MORI_BOOTSTRAP_TIMEOUT`` seconds for the other ranks, then raises
-    :class:`~mori.core.errors.MoriTimeoutError` naming those that did not arrive. Returns 0.
+    :class:`~mori.core.errors.MoriTimeoutError` naming those that did not arrive. A unique id
+    serves one init: once its job met, a second init with it (after finalize, or by a restarted
+    rank) raises :class:`~mori.core.errors.MoriValueError` at once. Returns 0.
     """
     func = "shmem_init_attr"
     if flags == MORI_SHMEM_INIT_WITH_UNIQUEID:
