@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -262,3 +263,32 @@ def test_a_unique_id_serves_one_init(clean_env: pytest.MonkeyPatch) -> None:
     with pytest.raises(MoriValueError, match="uid has already been used by a job of 2 ranks"):
         shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, 1, 2, uid)
     assert not shmem.shmem_is_initialized()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _each_rank_makes_its_own_uid(rank: int, nranks: int) -> tuple[str, list[str]]:
+    os.environ.update(MORI_BOOTSTRAP_TIMEOUT="2", MORI_SHMEM_HEAP_SIZE="8M")
+    records = _Records()
+    logging.getLogger("mori").addHandler(records)
+    uid = shmem.shmem_get_unique_id()  # the mistake: every rank should get one process's id
+    try:
+        shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, rank, nranks, uid)
+    except MoriTimeoutError as e:
+        return str(e), records.messages
+    return "no error", records.messages
+
+
+def test_a_rank_waiting_alone_on_its_own_uid_is_told_why() -> None:
+    for message, logged in run_ranks(_each_rank_makes_its_own_uid, 2, timeout=60):
+        assert "did not arrive within 2 s" in message
+        assert "no other rank reached the rendezvous store this process started" in message
+        # said early too, while it still waits, not only when the timeout fires
+        assert any("no other rank reached the rendezvous store" in m for m in logged), logged

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import secrets
 import struct
@@ -84,14 +85,20 @@ _servers_lock = threading.Lock()
 # number, so a re-init after finalize never meets the keys of the last one.
 _group_inits: dict[str, int] = {}
 
+_log = logging.getLogger("mori.core.bootstrap")
+
 # The key whose presence says a unique id's job has completed its rendezvous.
 _SPENT_KEY = "spent"
+# A rank alone in a store it serves warns after this long (or a quarter of the timeout, if less).
+_ALONE_WARNING_S = 10.0
 
 
 def get_unique_id() -> bytes:
     """Start a rendezvous store in this process and return the 128-byte id that names it.
 
-    The process must stay alive until every rank has initialised (it serves the store). An id serves one init:
+    Exactly one process makes the id, and every rank must receive *its* bytes: a rank that makes
+    an id of its own starts a store nobody else joins, and waits there alone. The process must
+    stay alive until every rank has initialised (it serves the store). An id serves one init:
     after the job completed its rendezvous it is spent, and joining it again fails at once.
     ``MORI_SOCKET_IFNAME`` picks the interface whose address goes into the id.
     """
@@ -136,7 +143,8 @@ class StoreBootstrap:
     prefix of this job's own); every wait names the ranks that are late.
 
     ``where`` describes the store for messages (``"the rendezvous store at host:port"``);
-    ``single_use``: the store belongs to one job (a unique
+    ``served_here``: this process serves the store (it made the unique id), so a rank alone in it
+    is most likely one that made its own id. ``single_use``: the store belongs to one job (a unique
     id's), which marks it spent once every rank arrived; a later join fails at once.
     """
 
@@ -148,6 +156,7 @@ class StoreBootstrap:
         *,
         func: str = "shmem_init_attr",
         where: str = "the rendezvous store",
+        served_here: bool = False,
         single_use: bool = False,
     ) -> None:
         _check_rank(func, rank, nranks)
@@ -156,6 +165,7 @@ class StoreBootstrap:
         self.timeout_s: float = env.MORI_BOOTSTRAP_TIMEOUT.require()
         self._store = store
         self._where = where
+        self._served_here = served_here
         self._round = 0
         self._closed = False
         if single_use:
@@ -197,22 +207,47 @@ class StoreBootstrap:
                 f"the new id to every rank"
             )
 
+    def _alone_hint(self, arrived_others: bool) -> str:
+        if not self._served_here or arrived_others:
+            return ""
+        return (
+            "; no other rank reached the rendezvous store this process started with "
+            "shmem_get_unique_id(): did every rank get this process's id, or did each make its own? "
+            "Exactly one process makes the id and hands its bytes to all ranks"
+        )
+
     def allgather(self, data: bytes, *, what: str = "allgather") -> list[bytes]:
         """Every rank contributes ``data``; all receive the list in rank order. Collective."""
         self._round += 1
         r = self._round
         self._call("set", f"{r}/{self.rank}", data)
         keys = [f"{r}/{p}" for p in range(self.nranks)]
-        deadline = time.monotonic() + self.timeout_s
+        others = [k for p, k in enumerate(keys) if p != self.rank]
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        warn_at = start + min(_ALONE_WARNING_S, self.timeout_s / 4) if r == 1 and self._served_here else None
         delay = 1e-4
         while not self._call("check", keys):
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if warn_at is not None and now > warn_at:
+                warn_at = None
+                if others and not any(self._call("check", [k]) for k in others):
+                    _log.warning(
+                        "%s: rank %d of %d has waited %.0f s%s",
+                        what,
+                        self.rank,
+                        self.nranks,
+                        now - start,
+                        self._alone_hint(False),
+                    )
+            if now > deadline:
                 missing = [p for p, k in enumerate(keys) if not self._call("check", [k])]
                 if missing:
+                    hint = self._alone_hint(len(missing) < self.nranks - 1) if r == 1 else ""
                     raise MoriTimeoutError(
                         f"{what}: ranks {format_ranks(missing)} of {self.nranks} did not arrive within "
                         f"{self.timeout_s:g} s (MORI_BOOTSTRAP_TIMEOUT) at {self._where}; this is rank "
-                        f"{self.rank}",
+                        f"{self.rank}{hint}",
                         missing,
                     )
             time.sleep(delay)
@@ -238,6 +273,7 @@ def from_unique_id(rank: int, nranks: int, uid: bytes, *, func: str = "shmem_ini
     parsed = UniqueId.unpack(uid)
     with _servers_lock:
         spent = parsed.nonce in _spent
+        served_here = parsed.nonce in _servers
     if spent:
         raise MoriValueError(
             f"{func}: this uid has already been used by this process for an init; a unique id serves one "
@@ -250,6 +286,7 @@ def from_unique_id(rank: int, nranks: int, uid: bytes, *, func: str = "shmem_ini
         _connect(parsed, timeout_s),
         func=func,
         where=f"the rendezvous store at {parsed.host}:{parsed.port}",
+        served_here=served_here,
         single_use=True,
     )
     with _servers_lock:

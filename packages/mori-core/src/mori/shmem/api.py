@@ -31,8 +31,9 @@ def shmem_get_unique_id() -> bytes:
     """Return a 128-byte id to pass to :func:`shmem_init_attr` on every rank.
 
     Starts the rendezvous store (a torch ``TCPStore``) in this process, which must stay alive until
-    every rank has initialised. Usually rank 0 calls it and sends the bytes to the others. An id
-    serves one init; make a new one for the next.
+    every rank has initialised. Exactly one process calls it (usually rank 0) and sends the bytes to
+    all the others: a rank that makes its own id waits alone in its own store (it says so after a few
+    seconds, and in its timeout error). An id serves one init; make a new one for the next.
     """
     return bootstrap.get_unique_id()
 
