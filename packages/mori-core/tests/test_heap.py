@@ -146,6 +146,84 @@ def test_buffer_register_and_deregister() -> None:
     shmem_ranks(_register, 2)
 
 
+class _Libc:
+    """mmap/mprotect/munmap through ctypes: memory laid out page by page, holes included."""
+
+    PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
+    MAP_PRIVATE, MAP_ANONYMOUS, MAP_NORESERVE = 0x02, 0x20, 0x4000
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self.lib = ctypes.CDLL(None, use_errno=True)
+        self.lib.mmap.restype = ctypes.c_void_p
+        self.lib.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        self.lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self.lib.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    def mmap(self, size: int, flags: int = 0) -> int:
+        prot = self.PROT_READ | self.PROT_WRITE
+        addr = self.lib.mmap(None, size, prot, self.MAP_PRIVATE | self.MAP_ANONYMOUS | flags, -1, 0)
+        assert addr not in (None, 2**64 - 1), "mmap failed"
+        return int(addr)
+
+    def munmap(self, addr: int, size: int) -> None:
+        assert self.lib.munmap(addr, size) == 0
+
+    def mprotect(self, addr: int, size: int, prot: int) -> None:
+        assert self.lib.mprotect(addr, size, prot) == 0
+
+
+def _register_unusable_memory(rank: int, nranks: int) -> None:
+    import mmap
+
+    libc, page = _Libc(), mmap.PAGESIZE
+    base = libc.mmap(4 * page)  # pages: [read-write][unmapped][no access][read-only]
+    libc.munmap(base + page, page)
+    libc.mprotect(base + 2 * page, page, libc.PROT_NONE)
+    libc.mprotect(base + 3 * page, page, libc.PROT_READ)
+    hole = base + page
+    with pytest.raises(MoriValueError, match=rf"\[{hole:#x}, \+{page}\).* {hole:#x} is not mapped"):
+        shmem.shmem_buffer_register(hole, page)
+    with pytest.raises(MoriValueError, match=f"{hole:#x} is not mapped"):
+        shmem.shmem_buffer_register(base + 8, page)  # starts mapped, runs into the hole
+    with pytest.raises(MoriValueError, match=f"{base + 2 * page:#x} is not readable and writable"):
+        shmem.shmem_buffer_register(base + 2 * page, 16)
+    with pytest.raises(MoriValueError, match=f"{base + 3 * page:#x} is not readable and writable"):
+        shmem.shmem_buffer_register(base + 3 * page, 16)
+    with pytest.raises(MoriValueError, match="runs past the end of the address space"):
+        shmem.shmem_buffer_register(2**64 - 16, 4096)
+    with pytest.raises(MoriValueError, match="ptr=18446744073709551616"):
+        shmem.shmem_buffer_register(2**64, 1)
+    # nothing was registered: a put from the hole is refused with a named error, not a crash
+    dst = shmem.shmem_malloc(page)
+    with pytest.raises(MoriValueError, match="shmem_buffer_register"):
+        shmem.shmem_putmem(dst, hole, 64, (rank + 1) % nranks)
+    # the usable page registers and works as a source
+    assert shmem.shmem_buffer_register(base, page) == 0
+    shmem.shmem_putmem(dst, base, page, (rank + 1) % nranks)
+    shmem.shmem_buffer_deregister(base, page)
+    # a large range is checked by its mappings, not page by page: 1 GiB reserved, never touched
+    big = libc.mmap(1 << 30, libc.MAP_NORESERVE)
+    assert shmem.shmem_buffer_register(big, 1 << 30) == 0
+    shmem.shmem_buffer_deregister(big, 1 << 30)
+    shmem.shmem_barrier_all()
+    for addr in (base, base + 2 * page, base + 3 * page):
+        libc.munmap(addr, page)
+    libc.munmap(big, 1 << 30)
+
+
+def test_buffer_register_refuses_memory_a_put_could_not_read() -> None:
+    shmem_ranks(_register_unusable_memory, 2)
+
+
 def test_heap_size_must_be_valid_and_symmetric() -> None:
     with pytest.raises(RankError, match="MORI_SHMEM_HEAP_SIZE='6X' is not valid"):
         shmem_ranks(_identity, 2, env={"MORI_SHMEM_HEAP_SIZE": "6X"})

@@ -11,6 +11,7 @@ from typing import Any
 
 from mori.core import bootstrap
 from mori.core.errors import MoriOutOfMemoryError, MoriValueError, bad_value
+from mori.core.mappings import ADDRESS_LIMIT
 from mori.shmem import context, layout
 from mori.shmem.context import ShmemContext, current
 from mori.shmem.heap import MIN_ALIGN
@@ -197,8 +198,11 @@ def shmem_buffer_register(ptr: int, size: int) -> int:
     """Register existing local memory (e.g. a torch tensor) as a source/target of one-sided calls.
 
     Not collective. On the CPU runtime peers cannot load or store it (``shmem_ptr_p2p`` gives 0);
-    it can be the local side of :func:`~mori.shmem.shmem_putmem`/``getmem``. Overlapping
-    registrations raise. Returns 0.
+    it can be the local side of :func:`~mori.shmem.shmem_putmem`/``getmem``. The range must be
+    memory the runtime can copy from and to: on the CPU runtime, mapped readable and writable in
+    this process (checked against the kernel's list of mappings; an unmapped, read-only or
+    no-access page raises :class:`~mori.core.errors.MoriValueError` naming its address).
+    Overlapping registrations raise. Deregister before freeing the memory. Returns 0.
     """
     func = "shmem_buffer_register"
     ctx = current(func)
@@ -206,6 +210,11 @@ def shmem_buffer_register(ptr: int, size: int) -> int:
         raise bad_value(func, "ptr", ptr, "the address (int > 0) of existing memory")
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
         raise bad_value(func, "size", size, "a number of bytes > 0")
+    if ptr >= ADDRESS_LIMIT:
+        raise bad_value(func, "ptr", ptr, "an address below 2**64")
+    if ptr + size > ADDRESS_LIMIT:
+        raise MoriValueError(f"{func}: [{ptr:#x}, +{size}) runs past the end of the address space")
+    ctx.runtime.check_local_buffer(func, ptr, size)
     with ctx.lock:
         for start, length in ctx.registered.items():
             if ptr < start + length and start < ptr + size:
