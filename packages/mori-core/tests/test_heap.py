@@ -430,3 +430,48 @@ def test_init_in_another_pid_namespace_removes_only_dead_segments(clean_env: pyt
     finally:
         live.close()
         Path("/dev/shm", dead_name.lstrip("/")).unlink(missing_ok=True)
+
+
+def test_a_heap_larger_than_dev_shm_is_refused_at_init(clean_env: pytest.MonkeyPatch) -> None:
+    # tmpfs accepts a sparse segment of any size; touching past its free space is a SIGBUS later.
+    free = shutil.disk_usage("/dev/shm").free
+    clean_env.setenv("MORI_SHMEM_HEAP_SIZE", str(free + (1 << 30)))
+    clean_env.setenv("MORI_DEVICE_RUNTIME", "cpu")
+    clean_env.setenv("MORI_BOOTSTRAP_TIMEOUT", "10")
+    with pytest.raises(MoriOutOfMemoryError, match=r"MORI_SHMEM_HEAP_SIZE=.* does not fit in /dev/shm"):
+        shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, 0, 1, shmem.shmem_get_unique_id())
+    assert not shmem.shmem_is_initialized()
+
+
+_INIT_DEFAULT_HEAP = """
+import mori.shmem as shmem
+from mori.core.errors import MoriOutOfMemoryError
+try:
+    shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, 0, 1, shmem.shmem_get_unique_id())
+    buf = shmem.shmem_malloc(64 << 20)
+    import torch
+    shmem.shmem_tensor_view(buf, 64 << 20, torch.uint8).fill_(1)  # past a 16 MiB /dev/shm: SIGBUS
+    print("no error")
+except MoriOutOfMemoryError as e:
+    print(e)
+"""
+
+
+def test_a_container_sized_dev_shm_gets_a_clear_error(clean_env: pytest.MonkeyPatch) -> None:
+    # A container's /dev/shm is often 64 MiB; the default heap is 4 GiB. Played with a 16 MiB
+    # tmpfs mounted over /dev/shm in a mount namespace of its own.
+    cmd = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=16m tmpfs /dev/shm && exec "$@"', "sh"]
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    probe = subprocess.run([*cmd, "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare --mount / mount tmpfs is not permitted here: {probe.stderr.strip()}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MORI_")}
+    env.update(MORI_DEVICE_RUNTIME="cpu", MORI_BOOTSTRAP_TIMEOUT="10")
+    out = subprocess.run(
+        [*cmd, sys.executable, "-c", _INIT_DEFAULT_HEAP], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, f"rc {out.returncode}: {out.stderr[-2000:]}"
+    message = out.stdout.strip()
+    assert "MORI_SHMEM_HEAP_SIZE=4 GiB (4294967296 bytes) does not fit in /dev/shm" in message, message
+    assert "16 MiB free" in message and "--shm-size" in message, message

@@ -15,6 +15,7 @@ from mori.core.backend import (
     PeerInfo,
     PeerSegment,
 )
+from mori.core.errors import MoriOutOfMemoryError
 from mori.core.plugins import hookimpl
 
 SEGMENT_PREFIX = "mori-heap."
@@ -53,6 +54,29 @@ def stale_segments() -> list[str]:
 def sweep_stale_segments() -> list[str]:
     """Remove the heap segments :func:`stale_segments` finds. Returns the names removed."""
     return [e for e in _candidates() if _core.shm_unlink_if_stale("/" + e)]
+
+
+def _human(n: int) -> str:
+    """``4294967296`` -> ``"4 GiB"``, ``1610612736`` -> ``"1.5 GiB"``."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n // size} {unit}" if n % size == 0 else f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _require_room(size: int) -> None:
+    """A heap larger than the free space of /dev/shm would be accepted (tmpfs segments are sparse)
+    and kill the process with SIGBUS once it is touched past that space: refuse it up front."""
+    st = os.statvfs(SHM_DIR)
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    if size > free:
+        raise MoriOutOfMemoryError(
+            f"MORI_SHMEM_HEAP_SIZE={_human(size)} ({size} bytes) does not fit in {SHM_DIR}: "
+            f"{_human(free)} free of {_human(total)}, and every rank on this host needs a "
+            f"heap of its own there. Lower MORI_SHMEM_HEAP_SIZE (e.g. MORI_SHMEM_HEAP_SIZE=256M), or "
+            f"give {SHM_DIR} more room (a container's is often 64 MiB: docker run --shm-size=16g, or "
+            f"an emptyDir with medium: Memory on Kubernetes)"
+        )
 
 
 class ShmSegment(HeapSegment):
@@ -95,6 +119,7 @@ class CpuRuntime(HostMemoryRuntime):
 
     def create_segment(self, size: int, tag: str) -> HeapSegment:
         sweep_stale_segments()
+        _require_room(size)
         return ShmSegment(size, tag)
 
     def open_peer_segment(self, peer: PeerInfo) -> PeerSegment:
