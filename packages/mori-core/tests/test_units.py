@@ -181,3 +181,13 @@ def test_native_errors_are_mori_errors() -> None:
         _core.SharedMemory.open("/mori-test-no-such-segment", 4096)
     assert isinstance(info.value, OSError) and info.value.errno == errno.ENOENT
     assert word.value == 0  # nothing was written by a rejected call
+
+
+def test_mori_core_declares_numpy() -> None:
+    # torch's CPU wheels do not depend on numpy, yet warn "Failed to initialize NumPy" on every
+    # import without it: twice per `mori demo` in a venv holding only mori-core and torch.
+    import importlib.metadata
+    import re
+
+    requires = importlib.metadata.requires("mori-core") or []
+    assert [r for r in requires if re.match(r"numpy\b", r) and "extra ==" not in r], requires
