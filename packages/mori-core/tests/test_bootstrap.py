@@ -236,7 +236,7 @@ def test_torch_process_group_init_times_out_naming_an_absent_rank(absent: int) -
             f"ranks {absent} of 3 did not arrive within 2 s" in message
             and "MORI_BOOTSTRAP_TIMEOUT" in message
         )
-        assert "group 'default'" in message
+        assert "in the store of process group 'default'" in message
         assert took < 10
 
 
@@ -292,3 +292,56 @@ def test_a_rank_waiting_alone_on_its_own_uid_is_told_why() -> None:
         assert "no other rank reached the rendezvous store this process started" in message
         # said early too, while it still waits, not only when the timeout fires
         assert any("no other rank reached the rendezvous store" in m for m in logged), logged
+
+
+_SHORT_LIVED_UID = """
+import sys, time
+import mori.shmem as shmem
+print(shmem.shmem_get_unique_id().hex(), flush=True)
+sys.stdin.readline()  # exits when told to
+"""
+
+
+def _join_then_lose_the_store(rank: int, nranks: int, uid: bytes, signal_path: str) -> str:
+    import pathlib
+
+    os.environ.update(MORI_BOOTSTRAP_TIMEOUT="3", MORI_SHMEM_HEAP_SIZE="8M")
+    pathlib.Path(signal_path).touch()  # connected (or about to): the test now ends the store's process
+    try:
+        shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, rank, 2, uid)  # rank 1 never comes
+    except MoriError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_losing_the_store_is_a_named_error_not_a_torch_one(
+    tmp_path: Any, clean_env: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+    import sys
+
+    maker = subprocess.Popen(
+        [sys.executable, "-c", _SHORT_LIVED_UID], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert maker.stdout is not None and maker.stdin is not None
+    uid = bytes.fromhex(maker.stdout.readline().strip())
+    flag = tmp_path / "joined"
+
+    def end_the_store() -> None:
+        while not flag.exists():
+            time.sleep(0.05)
+        time.sleep(0.5)
+        maker.stdin.close()  # type: ignore[union-attr]
+        maker.wait()
+
+    import threading
+
+    killer = threading.Thread(target=end_the_store)
+    killer.start()
+    try:
+        (message,) = run_ranks(_join_then_lose_the_store, 1, uid, str(flag), timeout=60)
+    finally:
+        killer.join()
+        maker.stdout.close()
+    assert message.startswith("MoriBackendError: the rendezvous store at"), message
+    assert "has the process that serves it exited?" in message

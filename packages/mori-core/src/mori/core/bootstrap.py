@@ -194,8 +194,7 @@ class StoreBootstrap:
             return getattr(self._store, method)(*args)
         except Exception as e:  # torch's DistStoreError, DistNetworkError, RuntimeError
             raise MoriBackendError(
-                f"{self._where} failed ({type(e).__name__}: {e}): has the process that serves it exited? "
-                f"(a unique id's store lives in the process that called shmem_get_unique_id())"
+                f"{self._where} failed ({type(e).__name__}: {e}): has the process that serves it exited?"
             ) from e
 
     def _refuse_if_spent(self, func: str) -> None:
@@ -246,7 +245,7 @@ class StoreBootstrap:
                     hint = self._alone_hint(len(missing) < self.nranks - 1) if r == 1 else ""
                     raise MoriTimeoutError(
                         f"{what}: ranks {format_ranks(missing)} of {self.nranks} did not arrive within "
-                        f"{self.timeout_s:g} s (MORI_BOOTSTRAP_TIMEOUT) at {self._where}; this is rank "
+                        f"{self.timeout_s:g} s (MORI_BOOTSTRAP_TIMEOUT) in {self._where}; this is rank "
                         f"{self.rank}{hint}",
                         missing,
                     )
@@ -285,7 +284,8 @@ def from_unique_id(rank: int, nranks: int, uid: bytes, *, func: str = "shmem_ini
         nranks,
         _connect(parsed, timeout_s),
         func=func,
-        where=f"the rendezvous store at {parsed.host}:{parsed.port}",
+        where=f"the rendezvous store at {parsed.host}:{parsed.port} (served by the process that called "
+        "shmem_get_unique_id())",
         served_here=served_here,
         single_use=True,
     )
