@@ -173,6 +173,7 @@ def test_native_errors_are_mori_errors() -> None:
         (lambda: _core.copy(addr, addr, -1), errors.MoriValueError, "nbytes=-1"),
         (lambda: _core.copy(2**64 - 4, addr, 8), errors.MoriValueError, "past the end of the address space"),
         (lambda: _core.shm_unlink(5), errors.MoriTypeError, "name has type int"),
+        (lambda: _core.transport_open(b"x"), errors.MoriTypeError, "ops has type bytes; expected a capsule"),
     ]
     for call, kind, text in cases:
         with pytest.raises(kind, match=text):
