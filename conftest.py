@@ -18,16 +18,14 @@ SHM_DIR = Path("/dev/shm")
 
 
 def _orphaned_heap_segments() -> set[str]:
-    """Heap segments whose owner process is gone: nobody will ever unlink them (leaks).
+    """Heap segments whose creator is gone: nobody will ever unlink them (leaks).
 
-    Segments of live processes are left out: another job may legitimately be running.
+    Proven by the creator's lock, not a pid (another job, maybe in another PID namespace that
+    shares /dev/shm, may legitimately be running).
     """
-    orphans = set()
-    for path in SHM_DIR.glob("mori-heap.*") if SHM_DIR.is_dir() else ():
-        pid = path.name.split(".")[1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            orphans.add(path.name)
-    return orphans
+    from mori.core.backends.cpu import stale_segments
+
+    return set(stale_segments()) if SHM_DIR.is_dir() else set()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -431,7 +431,10 @@ def _wheel_modules(wheel: Path) -> set[str]:
 
 
 _CHECK_IMPORTS = """
-import importlib, importlib.metadata
+import importlib, importlib.metadata, warnings
+# torch warns this on import when numpy is missing: the distributions must declare what they use
+warnings.filterwarnings("error", message="Failed to initialize NumPy")
+import torch
 for module in {modules!r}:
     importlib.import_module(module)
     print("import", module, "ok")

@@ -10,9 +10,8 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
-#include <limits>
-#include <type_traits>
 
+#include "errors.hpp"
 #include "registry.hpp"
 
 namespace py = pybind11;
@@ -25,28 +24,20 @@ enum class Cmp : int { kEq = 0, kNe = 1, kGt = 2, kGe = 3, kLt = 4, kLe = 5 };
 enum class Word : int { kInt32 = 0, kUInt32 = 1, kInt64 = 2, kUInt64 = 3 };
 
 template <typename T>
-T checked(const py::int_& value) {
-  // Python ints of the wrong range raise OverflowError here, before anything touches memory.
-  if constexpr (std::is_signed_v<T>) {
-    long long v = value.cast<long long>();
-    if (v < static_cast<long long>(std::numeric_limits<T>::min()) ||
-        v > static_cast<long long>(std::numeric_limits<T>::max()))
-      throw py::value_error("value " + std::to_string(v) + " does not fit the atomic word");
-    return static_cast<T>(v);
-  } else {
-    unsigned long long v = value.cast<unsigned long long>();
-    if (v > static_cast<unsigned long long>(std::numeric_limits<T>::max()))
-      throw py::value_error("value " + std::to_string(v) + " does not fit the atomic word");
-    return static_cast<T>(v);
-  }
+T checked(py::handle value, const char* func) {
+  T v{};
+  if (!fits<T>(value, func, "value", &v))
+    raise_error("MoriValueError", "value " + repr_of(value) + " does not fit the atomic word");
+  return v;
 }
 
 template <typename T>
-T* word_at(std::uintptr_t addr) {
-  if (addr == 0) throw py::value_error("address is 0 (null)");
+T* word_at(py::handle addr_arg, const char* func) {
+  const auto addr = int_arg<std::uintptr_t>(addr_arg, func, "addr");
+  if (addr == 0) raise_error("MoriValueError", "address is 0 (null)");
   if (addr % sizeof(T) != 0)
-    throw py::value_error("address " + std::to_string(addr) + " is not aligned to " +
-                          std::to_string(sizeof(T)) + " bytes");
+    raise_error("MoriValueError", "address " + std::to_string(addr) + " is not aligned to " +
+                                      std::to_string(sizeof(T)) + " bytes");
   return reinterpret_cast<T*>(addr);
 }
 
@@ -55,14 +46,16 @@ T rmw(T* p, Op op, T v) {
   constexpr int mo = __ATOMIC_SEQ_CST;
   switch (op) {
     case Op::kFetch: return __atomic_load_n(p, mo);
-    case Op::kSet: { T old = __atomic_load_n(p, mo); __atomic_store_n(p, v, mo); return old; }
-    case Op::kAdd: return __atomic_fetch_add(p, v, mo);
+    // SET returns the value it replaced, so it is an exchange: a load followed by a store would
+    // lose a peer's update landing between the two, and report an old value that never was.
+    case Op::kSet:
     case Op::kSwap: return __atomic_exchange_n(p, v, mo);
+    case Op::kAdd: return __atomic_fetch_add(p, v, mo);
     case Op::kAnd: return __atomic_fetch_and(p, v, mo);
     case Op::kOr: return __atomic_fetch_or(p, v, mo);
     case Op::kXor: return __atomic_fetch_xor(p, v, mo);
   }
-  throw py::value_error("unknown atomic op " + std::to_string(static_cast<int>(op)));
+  raise_error("MoriValueError", "unknown atomic op " + std::to_string(static_cast<int>(op)));
 }
 
 template <typename T>
@@ -75,7 +68,7 @@ bool compare(T cur, Cmp cmp, T v) {
     case Cmp::kLt: return cur < v;
     case Cmp::kLe: return cur <= v;
   }
-  throw py::value_error("unknown comparison " + std::to_string(static_cast<int>(cmp)));
+  raise_error("MoriValueError", "unknown comparison " + std::to_string(static_cast<int>(cmp)));
 }
 
 inline void cpu_relax() {
@@ -88,9 +81,9 @@ inline void cpu_relax() {
 
 // Returns (reached, last value seen). timeout_s < 0 waits forever.
 template <typename T>
-py::tuple wait_until(std::uintptr_t addr, Cmp cmp, const py::int_& value, double timeout_s) {
-  T* p = word_at<T>(addr);
-  T v = checked<T>(value);
+py::tuple wait_until(py::handle addr, Cmp cmp, py::handle value, double timeout_s) {
+  T* p = word_at<T>(addr, "wait_until");
+  T v = checked<T>(value, "wait_until");
   (void)compare<T>(T{}, cmp, v);  // reject a bad comparison before blocking
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
@@ -132,18 +125,24 @@ auto by_word(Word w, F&& f) {
     case Word::kInt64: return f(std::int64_t{});
     case Word::kUInt64: return f(std::uint64_t{});
   }
-  throw py::value_error("unknown word type " + std::to_string(static_cast<int>(w)));
+  raise_error("MoriValueError", "unknown word type " + std::to_string(static_cast<int>(w)));
 }
+
+// A small int code (op, comparison, word type); its meaning is checked where it is used.
+int code_arg(py::handle v, const char* func, const char* arg) { return int_arg<int>(v, func, arg); }
 
 }  // namespace
 
 void register_atomics(py::module_& m) {
   m.def(
       "atomic_rmw",
-      [](std::uintptr_t addr, int op, int word, const py::int_& value) {
-        return by_word(static_cast<Word>(word), [&](auto t) {
+      [](py::handle addr, py::handle op, py::handle word, py::handle value) {
+        const char* func = "atomic_rmw";
+        const auto o = static_cast<Op>(code_arg(op, func, "op"));
+        return by_word(static_cast<Word>(code_arg(word, func, "word")), [&](auto t) {
           using T = decltype(t);
-          return py::int_(rmw<T>(word_at<T>(addr), static_cast<Op>(op), checked<T>(value)));
+          T* p = word_at<T>(addr, func);
+          return py::int_(rmw<T>(p, o, checked<T>(value, func)));
         });
       },
       py::arg("addr"), py::arg("op"), py::arg("word"), py::arg("value"),
@@ -151,12 +150,13 @@ void register_atomics(py::module_& m) {
       "op: 0 fetch, 1 set, 2 add, 3 swap, 4 and, 5 or, 6 xor. word: 0 int32, 1 uint32, 2 int64, 3 uint64.");
   m.def(
       "atomic_compare_swap",
-      [](std::uintptr_t addr, int word, const py::int_& expected, const py::int_& desired) {
-        return by_word(static_cast<Word>(word), [&](auto t) {
+      [](py::handle addr, py::handle word, py::handle expected, py::handle desired) {
+        const char* func = "atomic_compare_swap";
+        return by_word(static_cast<Word>(code_arg(word, func, "word")), [&](auto t) {
           using T = decltype(t);
-          T* p = word_at<T>(addr);
-          T exp = checked<T>(expected);
-          T des = checked<T>(desired);
+          T* p = word_at<T>(addr, func);
+          T exp = checked<T>(expected, func);
+          T des = checked<T>(desired, func);
           __atomic_compare_exchange_n(p, &exp, des, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
           return py::int_(exp);  // the value found, whether or not it was replaced
         });
@@ -165,9 +165,12 @@ void register_atomics(py::module_& m) {
       "If the word equals `expected`, replace it with `desired`; return the value found.");
   m.def(
       "wait_until",
-      [](std::uintptr_t addr, int cmp, int word, const py::int_& value, double timeout_s) {
-        return by_word(static_cast<Word>(word), [&](auto t) {
-          return wait_until<decltype(t)>(addr, static_cast<Cmp>(cmp), value, timeout_s);
+      [](py::handle addr, py::handle cmp, py::handle word, py::handle value, py::handle timeout_s) {
+        const char* func = "wait_until";
+        const auto c = static_cast<Cmp>(code_arg(cmp, func, "cmp"));
+        const double timeout = float_arg(timeout_s, func, "timeout_s");
+        return by_word(static_cast<Word>(code_arg(word, func, "word")), [&](auto t) {
+          return wait_until<decltype(t)>(addr, c, value, timeout);
         });
       },
       py::arg("addr"), py::arg("cmp"), py::arg("word"), py::arg("value"), py::arg("timeout_s"),

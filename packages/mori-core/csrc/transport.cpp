@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "errors.hpp"
 #include "mori/transport.h"
 #include "registry.hpp"
 
@@ -17,23 +18,22 @@ namespace mori {
 
 namespace {
 
-PyObject* error_class(const char* name) {
-  return py::module_::import("mori.core.errors").attr(name).ptr();
-}
-
 [[noreturn]] void raise(const char* what, int rc, const mori_tp_error& e) {
   std::string msg = std::string(what) + ": " + (e.message[0] ? e.message : "failed") + " (code " + std::to_string(rc) + ")";
-  const char* cls = rc == MORI_TP_EINVAL ? "MoriValueError" : rc == MORI_TP_ETIMEDOUT ? "MoriTimeoutError" : "MoriBackendError";
-  PyErr_SetString(error_class(cls), msg.c_str());
-  throw py::error_already_set();
+  raise_error(rc == MORI_TP_EINVAL ? "MoriValueError" : rc == MORI_TP_ETIMEDOUT ? "MoriTimeoutError" : "MoriBackendError",
+              msg);
 }
 
-const mori_tp_ops* ops_of(py::capsule cap) {
+const mori_tp_ops* ops_of(py::handle arg) {
+  if (!PyCapsule_CheckExact(arg.ptr()))
+    raise_error("MoriTypeError", std::string("transport_open: ops has type ") + Py_TYPE(arg.ptr())->tp_name +
+                                     "; expected a capsule named '" + MORI_TRANSPORT_CAPSULE + "'");
+  auto cap = py::reinterpret_borrow<py::capsule>(arg);
   if (std::string(cap.name() ? cap.name() : "") != MORI_TRANSPORT_CAPSULE)
-    throw py::value_error(std::string("expected a capsule named '") + MORI_TRANSPORT_CAPSULE + "'");
+    raise_error("MoriValueError", std::string("expected a capsule named '") + MORI_TRANSPORT_CAPSULE + "'");
   const auto* ops = cap.get_pointer<const mori_tp_ops>();
   if (!ops || ops->abi != MORI_TRANSPORT_ABI || ops->size < sizeof(mori_tp_ops))
-    throw py::value_error("the transport's ops table is not ABI version " + std::to_string(MORI_TRANSPORT_ABI));
+    raise_error("MoriValueError", "the transport's ops table is not ABI version " + std::to_string(MORI_TRANSPORT_ABI));
   return ops;
 }
 
@@ -331,8 +331,9 @@ void register_transport(py::module_& m) {
 
   m.def(
       "transport_open",
-      [](py::capsule cap, const std::string& options) {
+      [](py::handle cap, py::handle options_arg) {
         const mori_tp_ops* ops = ops_of(cap);
+        const std::string options = str_arg(options_arg, "transport_open", "options");
         mori_tp_error e{};
         mori_tp* tp;
         {
@@ -343,7 +344,7 @@ void register_transport(py::module_& m) {
         auto in = std::make_shared<Instance>();
         in->ops = ops;
         in->tp = tp;
-        in->capsule = cap;
+        in->capsule = py::reinterpret_borrow<py::object>(cap);
         return in;
       },
       py::arg("ops"), py::arg("options") = "",

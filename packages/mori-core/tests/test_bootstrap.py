@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import time
 from typing import Any
 
 import pytest
@@ -192,3 +194,154 @@ def _raises_in_rank(rank: int, nranks: int) -> None:
 def test_launcher_reraises_the_failing_rank() -> None:
     with pytest.raises(RankError, match="rank 1 of 2 failed:\nValueError: boom in rank 1"):
         run_ranks(_raises_in_rank, 2, timeout=60)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _group_init_with_an_absent_rank(rank: int, nranks: int, port: int, absent: int) -> Any:
+    import torch.distributed as dist
+
+    os.environ.update(MORI_BOOTSTRAP_TIMEOUT="2", MORI_SHMEM_HEAP_SIZE="8M")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nranks)
+    try:
+        if rank == absent:
+            time.sleep(4)  # in the group, but never calls shmem_torch_process_group_init
+            return ("absent",)
+        t0 = time.monotonic()
+        try:
+            shmem.shmem_torch_process_group_init("default")
+        except MoriTimeoutError as e:
+            return ("timeout", e.missing, str(e), time.monotonic() - t0)
+        shmem.shmem_finalize()
+        return ("ok",)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("absent", [0, 2])
+def test_torch_process_group_init_times_out_naming_an_absent_rank(absent: int) -> None:
+    # Bounded by MORI_BOOTSTRAP_TIMEOUT (2 s here), not by torch's own timeout (30 min for gloo),
+    # also when the absent rank is rank 0 of the group.
+    out = run_ranks(_group_init_with_an_absent_rank, 3, _free_port(), absent, timeout=60)
+    for rank, res in enumerate(out):
+        if rank == absent:
+            continue
+        kind, missing, message, took = res
+        assert kind == "timeout" and missing == [absent], res
+        assert (
+            f"ranks {absent} of 3 did not arrive within 2 s" in message
+            and "MORI_BOOTSTRAP_TIMEOUT" in message
+        )
+        assert "in the store of process group 'default'" in message
+        assert took < 10
+
+
+def _init_twice_with_one_uid(rank: int, nranks: int, uid: bytes) -> tuple[str, float]:
+    os.environ.update(MORI_BOOTSTRAP_TIMEOUT="10", MORI_SHMEM_HEAP_SIZE="8M")
+    shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, rank, nranks, uid)
+    shmem.shmem_finalize()
+    t0 = time.monotonic()
+    try:
+        shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, rank, nranks, uid)
+    except MoriValueError as e:
+        return str(e), time.monotonic() - t0
+    shmem.shmem_finalize()
+    return "init worked", 0.0
+
+
+def test_a_unique_id_serves_one_init(clean_env: pytest.MonkeyPatch) -> None:
+    uid = shmem.shmem_get_unique_id()
+    for message, took in run_ranks(_init_twice_with_one_uid, 2, uid, timeout=60):
+        assert "uid has already been used" in message and "call shmem_get_unique_id() again" in message
+        assert took < 2  # said at once, not after MORI_BOOTSTRAP_TIMEOUT
+    # a process that never used it (a restarted rank) is told the same, by the store
+    clean_env.setenv("MORI_BOOTSTRAP_TIMEOUT", "10")
+    with pytest.raises(MoriValueError, match="uid has already been used by a job of 2 ranks"):
+        shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, 1, 2, uid)
+    assert not shmem.shmem_is_initialized()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _each_rank_makes_its_own_uid(rank: int, nranks: int) -> tuple[str, list[str]]:
+    os.environ.update(MORI_BOOTSTRAP_TIMEOUT="2", MORI_SHMEM_HEAP_SIZE="8M")
+    records = _Records()
+    logging.getLogger("mori").addHandler(records)
+    uid = shmem.shmem_get_unique_id()  # the mistake: every rank should get one process's id
+    try:
+        shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, rank, nranks, uid)
+    except MoriTimeoutError as e:
+        return str(e), records.messages
+    return "no error", records.messages
+
+
+def test_a_rank_waiting_alone_on_its_own_uid_is_told_why() -> None:
+    for message, logged in run_ranks(_each_rank_makes_its_own_uid, 2, timeout=60):
+        assert "did not arrive within 2 s" in message
+        assert "no other rank reached the rendezvous store this process started" in message
+        # said early too, while it still waits, not only when the timeout fires
+        assert any("no other rank reached the rendezvous store" in m for m in logged), logged
+
+
+_SHORT_LIVED_UID = """
+import sys, time
+import mori.shmem as shmem
+print(shmem.shmem_get_unique_id().hex(), flush=True)
+sys.stdin.readline()  # exits when told to
+"""
+
+
+def _join_then_lose_the_store(rank: int, nranks: int, uid: bytes, signal_path: str) -> str:
+    import pathlib
+
+    os.environ.update(MORI_BOOTSTRAP_TIMEOUT="3", MORI_SHMEM_HEAP_SIZE="8M")
+    pathlib.Path(signal_path).touch()  # connected (or about to): the test now ends the store's process
+    try:
+        shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, rank, 2, uid)  # rank 1 never comes
+    except MoriError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_losing_the_store_is_a_named_error_not_a_torch_one(
+    tmp_path: Any, clean_env: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+    import sys
+
+    maker = subprocess.Popen(
+        [sys.executable, "-c", _SHORT_LIVED_UID], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert maker.stdout is not None and maker.stdin is not None
+    uid = bytes.fromhex(maker.stdout.readline().strip())
+    flag = tmp_path / "joined"
+
+    def end_the_store() -> None:
+        while not flag.exists():
+            time.sleep(0.05)
+        time.sleep(0.5)
+        maker.stdin.close()  # type: ignore[union-attr]
+        maker.wait()
+
+    import threading
+
+    killer = threading.Thread(target=end_the_store)
+    killer.start()
+    try:
+        (message,) = run_ranks(_join_then_lose_the_store, 1, uid, str(flag), timeout=60)
+    finally:
+        killer.join()
+        maker.stdout.close()
+    assert message.startswith("MoriBackendError: the rendezvous store at"), message
+    assert "has the process that serves it exited?" in message

@@ -67,7 +67,9 @@ def test_bench_shmem_small_run_writes_json(tmp_path: Path, capsys: pytest.Captur
     record = json.loads(path.read_text())
     sizes = [r["size"] for r in record["rows"] if "size" in r]
     assert sizes == [8, 65536, 1048576]
-    assert all(
-        r["put_gbps"] > 0 and r["copy_gbps"] > 0 and r["ratio"] > 0 for r in record["rows"] if "size" in r
-    )
+    rows = [r for r in record["rows"] if "size" in r]
+    assert all(r["put_gbps"] > 0 and r["copy_gbps"] > 0 for r in rows)
+    # a ratio, or (a point clearly off on a busy machine: 3 samples here) none, and the reasons
+    assert all((r["ratio"] > 0 and not r["off"]) if r["ratio"] is not None else r["off"] for r in rows)
+    assert out.count("off*") == sum(r["ratio"] is None for r in rows)
     assert record["suite"] == "shmem" and "git_sha" in record and record["config"]["ranks"] == 2

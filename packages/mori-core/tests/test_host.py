@@ -171,6 +171,8 @@ def _atomic_edges(rank: int, nranks: int) -> None:
     assert shmem.shmem_atomic_fetch(word, rank, dtype=torch.int64) == -5
     with pytest.raises(MoriValueError, match="does not fit"):
         shmem.shmem_atomic_set(word, 2**32, rank, dtype="uint32")
+    with pytest.raises(MoriValueError, match="value -1 does not fit"):  # was pybind's RuntimeError
+        shmem.shmem_atomic_compare_swap(word, -1, 0, rank, dtype="uint64")
     with pytest.raises(MoriValueError, match="dtype='float32'"):
         shmem.shmem_atomic_add(word, 1, rank, dtype="float32")
     with pytest.raises(MoriValueError, match="not aligned"):
@@ -264,3 +266,35 @@ def _barrier_on_stream(rank: int, nranks: int, rounds: int) -> None:
 
 def test_barrier_on_stream_orders_puts_on_the_cpu_runtime() -> None:
     shmem_ranks(_barrier_on_stream, 4, 10)
+
+
+def _set_races_add(rank: int, nranks: int, adds: int) -> int:
+    # PE 1 owns one uint64 word. PE 0 adds 1 to it `adds` times; meanwhile PE 1 swaps it back to 0
+    # with SIGNAL_SET's host operation and sums the old values it gets. If SET is one atomic
+    # exchange, every increment is handed to exactly one SET, so the sum is `adds`; a load followed
+    # by a store loses each increment that lands between the two (it is overwritten unseen).
+    from mori.core.backend import OP_SET, WORD_UINT64
+    from mori.shmem.context import current
+
+    word = shmem.shmem_malloc(8)
+    done = shmem.shmem_malloc(8)
+    shmem.shmem_barrier_all()
+    if rank == 0:
+        for _ in range(adds):
+            shmem.shmem_signal_op(word, 1, shmem.SIGNAL_ADD, 1)
+        shmem.shmem_signal_op(done, 1, shmem.SIGNAL_SET, 1)
+        shmem.shmem_barrier_all()
+        return 0
+    runtime = current("test").runtime
+    seen = 0
+    while not shmem.shmem_signal_fetch(done):
+        for _ in range(64):
+            seen += runtime.atomic_rmw(word, OP_SET, WORD_UINT64, 0)
+    seen += runtime.atomic_rmw(word, OP_SET, WORD_UINT64, 0)  # what came after the last swap
+    shmem.shmem_barrier_all()
+    return seen
+
+
+def test_signal_set_is_one_atomic_exchange_under_concurrent_adds() -> None:
+    adds = 200_000
+    assert shmem_ranks(_set_races_add, 2, adds)[1] == adds

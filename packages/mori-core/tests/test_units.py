@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -164,3 +165,51 @@ def test_native_stub_matches_the_built_module() -> None:
             built.update(f"{name}.{m}" for m in members if not m.startswith("__") and "pybind11" not in m)
     built -= {"StatusCode.name", "StatusCode.value"}  # pybind11 enum plumbing
     assert stubbed == built
+
+
+def test_native_errors_are_mori_errors() -> None:
+    # The native module converts its arguments itself: a wrong type or range is a named MORI error,
+    # never pybind11's TypeError ("incompatible function arguments") or RuntimeError ("Unable to cast").
+    import ctypes
+    import errno
+
+    from mori.core import _core, errors
+
+    word = ctypes.c_uint64(0)
+    addr = ctypes.addressof(word)
+    cases: list[tuple[Any, type[errors.MoriError], str]] = [
+        (lambda: _core.atomic_rmw(addr, 1, 3, -1), errors.MoriValueError, "value -1 does not fit"),
+        (lambda: _core.atomic_rmw(addr, 1, 3, 2**64), errors.MoriValueError, "does not fit"),
+        (lambda: _core.atomic_compare_swap(addr, 3, -1, 0), errors.MoriValueError, "does not fit"),
+        (lambda: _core.atomic_rmw(-1, 1, 3, 0), errors.MoriValueError, "addr=-1 is not allowed"),
+        (lambda: _core.atomic_rmw(2**64, 1, 3, 0), errors.MoriValueError, "addr=18446744073709551616"),
+        (lambda: _core.atomic_rmw("x", 1, 3, 0), errors.MoriTypeError, "addr has type str"),
+        (lambda: _core.atomic_rmw(addr, 1, 3, 1.5), errors.MoriTypeError, "value has type float"),
+        (lambda: _core.atomic_rmw(addr, True, 3, 0), errors.MoriTypeError, "op has type bool"),
+        (lambda: _core.atomic_rmw(addr, 9, 3, 0), errors.MoriValueError, "unknown atomic op 9"),
+        (lambda: _core.atomic_rmw(addr + 1, 1, 3, 0), errors.MoriValueError, "not aligned to 8 bytes"),
+        (lambda: _core.wait_until(addr, 0, 3, 1, "1"), errors.MoriTypeError, "timeout_s has type str"),
+        (lambda: _core.wait_until(addr, 7, 3, 1, 0.0), errors.MoriValueError, "unknown comparison 7"),
+        (lambda: _core.copy(addr, 0, 8), errors.MoriValueError, "null address"),
+        (lambda: _core.copy(addr, addr, -1), errors.MoriValueError, "nbytes=-1"),
+        (lambda: _core.copy(2**64 - 4, addr, 8), errors.MoriValueError, "past the end of the address space"),
+        (lambda: _core.shm_unlink(5), errors.MoriTypeError, "name has type int"),
+        (lambda: _core.transport_open(b"x"), errors.MoriTypeError, "ops has type bytes; expected a capsule"),
+    ]
+    for call, kind, text in cases:
+        with pytest.raises(kind, match=text):
+            call()
+    with pytest.raises(errors.MoriOSError, match="No such file") as info:
+        _core.SharedMemory.open("/mori-test-no-such-segment", 4096)
+    assert isinstance(info.value, OSError) and info.value.errno == errno.ENOENT
+    assert word.value == 0  # nothing was written by a rejected call
+
+
+def test_mori_core_declares_numpy() -> None:
+    # torch's CPU wheels do not depend on numpy, yet warn "Failed to initialize NumPy" on every
+    # import without it: twice per `mori demo` in a venv holding only mori-core and torch.
+    import importlib.metadata
+    import re
+
+    requires = importlib.metadata.requires("mori-core") or []
+    assert [r for r in requires if re.match(r"numpy\b", r) and "extra ==" not in r], requires

@@ -62,13 +62,15 @@
 #include <utility>
 #include <vector>
 
-#include "fd.hpp"
+#include "../fd.hpp"
 #include "inbound.hpp"
 #include "protocol.hpp"
 #include "table.hpp"
 
 
 namespace mori::transfer {
+
+using Fd = mori::UniqueFd;
 
 enum Code : int {
   SUCCESS = 0,

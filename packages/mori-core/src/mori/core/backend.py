@@ -107,6 +107,14 @@ class DeviceRuntime(ABC):
     def open_peer_segment(self, peer: PeerInfo) -> PeerSegment:
         """Map a peer's segment (same runtime, same node) into this process."""
 
+    def check_local_buffer(self, func: str, addr: int, nbytes: int) -> None:  # noqa: B027 - optional hook
+        """Raise :class:`~mori.core.errors.MoriValueError` unless ``[addr, addr+nbytes)`` is memory
+        :meth:`copy` may read and write (``shmem_buffer_register``). ``nbytes > 0``.
+
+        Default: no check here (device memory is checked by the driver when a copy uses it, which
+        fails with an error, not a crash). Host-memory runtimes check the process's mappings.
+        """
+
     # -- how the host touches heap memory; every address is one this process has mapped ---------
 
     @abstractmethod
@@ -146,6 +154,12 @@ class HostMemoryRuntime(DeviceRuntime):
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8, count=nbytes)
+
+    def check_local_buffer(self, func: str, addr: int, nbytes: int) -> None:
+        """Mapped readable and writable in this process: a copy from anything else is a SIGSEGV."""
+        from mori.core import mappings
+
+        mappings.require_read_write(func, "ptr", addr, nbytes)
 
     # Below this size a native memmove beats a torch dispatch; above it torch's copy wins by
     # running on every intra-op thread.

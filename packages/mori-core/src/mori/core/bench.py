@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mori.core.errors import MoriValueError
+
 
 @dataclass(frozen=True)
 class BenchSuite:
@@ -49,6 +51,56 @@ class Stats:
             return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
         return cls(statistics.median(s), s[0], pct(0.1), pct(0.9), s[-1], len(s))
+
+
+#: p90 / p10 of one point's samples above this: they disagree (a busy machine), the median is luck
+SPREAD_LIMIT = 3.0
+#: a size's median above this many times a larger size's: a stall or a floor, not what it costs
+FLOOR_LIMIT = 4.0
+#: a size's median above this many times what the last trusted smaller size predicts, at that
+#: size's bandwidth: far beyond any cache cliff (those are 2-10x)
+CLIFF_LIMIT = 16.0
+
+
+def untrusted(sizes: Sequence[int], stats: Sequence[Stats], what: str) -> list[str | None]:
+    """For a sweep of one measurement (``stats[i]``: seconds per call at ``sizes[i]`` bytes, sizes
+    ascending), why each point is clearly off, or None where it can be used.
+
+    A point is off when its samples spread more than :data:`SPREAD_LIMIT` (p90/p10), when it is
+    more than :data:`FLOOR_LIMIT` times slower than a *larger* size (moving fewer bytes cannot
+    honestly take longer), or when it is more than :data:`CLIFF_LIMIT` times what the last trusted
+    smaller size predicts (its time scaled by the size). A ratio against such a point is not a
+    result: suites print the reason instead. ``what`` names the measurement in the reasons.
+    """
+    if len(sizes) != len(stats) or list(sizes) != sorted(sizes):
+        raise MoriValueError("untrusted: sizes must be ascending, one Stats per size")
+    out: list[str | None] = [None] * len(sizes)
+    last_ok: int | None = None
+    for i, (size, st) in enumerate(zip(sizes, stats, strict=True)):
+        if st.p10 > 0 and st.p90 / st.p10 > SPREAD_LIMIT:
+            out[i] = (
+                f"{what} samples spread {st.p10 * 1e6:.2f}-{st.p90 * 1e6:.2f} us (p10-p90, "
+                f"{st.p90 / st.p10:.0f}x): the machine was busy"
+            )
+            continue
+        faster = [j for j in range(i + 1, len(sizes)) if st.median > FLOOR_LIMIT * stats[j].median]
+        if faster:
+            j = faster[0]
+            out[i] = (
+                f"{what} median {st.median * 1e6:.2f} us is {st.median / stats[j].median:.0f}x the "
+                f"{stats[j].median * 1e6:.2f} us of {sizes[j]} bytes: a stall or a floor"
+            )
+            continue
+        if last_ok is not None:
+            predicted = stats[last_ok].median * size / sizes[last_ok]
+            if st.median > CLIFF_LIMIT * predicted:
+                out[i] = (
+                    f"{what} median {st.median * 1e6:.2f} us is {st.median / predicted:.0f}x what "
+                    f"{sizes[last_ok]} bytes at {stats[last_ok].median * 1e6:.2f} us predicts: a floor"
+                )
+                continue
+        last_ok = i
+    return out
 
 
 def time_samples(fn: Callable[[], object], *, iters: int, warmup: int) -> list[float]:

@@ -93,7 +93,12 @@ class EnvVar(Generic[T]):
 
 
 MORI_SHMEM_HEAP_SIZE = EnvVar(
-    "MORI_SHMEM_HEAP_SIZE", "4G", "Bytes of symmetric heap per rank (static heap mode).", "6G", parse_size
+    "MORI_SHMEM_HEAP_SIZE",
+    "4G",
+    "Bytes of symmetric heap per rank (static heap mode); on the cpu runtime each rank's heap is in "
+    "/dev/shm, and init refuses a heap larger than its free space.",
+    "6G",
+    parse_size,
 )
 MORI_SHMEM_MODE = EnvVar(
     "MORI_SHMEM_MODE",

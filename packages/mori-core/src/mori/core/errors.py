@@ -34,6 +34,10 @@ class MoriBackendError(MoriError, RuntimeError):
     """A backend (device runtime, transport, NIC provider) is missing, unusable or failed."""
 
 
+class MoriOSError(MoriError, OSError):
+    """An operating-system call failed; ``errno`` and ``strerror`` say how (as for :class:`OSError`)."""
+
+
 class MoriTimeoutError(MoriError, TimeoutError):
     """A blocking wait ran out of time. ``missing`` lists the ranks that did not arrive, if known."""
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from mori.core import bootstrap
 from mori.core.errors import MoriOutOfMemoryError, MoriValueError, bad_value
+from mori.core.mappings import ADDRESS_LIMIT
 from mori.shmem import context, layout
 from mori.shmem.context import ShmemContext, current
 from mori.shmem.heap import MIN_ALIGN
@@ -31,7 +32,9 @@ def shmem_get_unique_id() -> bytes:
     """Return a 128-byte id to pass to :func:`shmem_init_attr` on every rank.
 
     Starts the rendezvous store (a torch ``TCPStore``) in this process, which must stay alive until
-    every rank has initialised. Usually rank 0 calls it and sends the bytes to the others.
+    every rank has initialised. Exactly one process calls it (usually rank 0) and sends the bytes to
+    all the others: a rank that makes its own id waits alone in its own store (it says so after a few
+    seconds, and in its timeout error). An id serves one init; make a new one for the next.
     """
     return bootstrap.get_unique_id()
 
@@ -43,14 +46,16 @@ def shmem_init_attr(flags: int, rank: int, nranks: int, uid: Any) -> int:
     :func:`shmem_get_unique_id`) or :data:`MORI_SHMEM_INIT_WITH_MPI_COMM` (``uid`` = an mpi4py
     communicator, or None for ``COMM_WORLD``; ``rank``/``nranks`` must match it).
     Waits at most ``MORI_BOOTSTRAP_TIMEOUT`` seconds for the other ranks, then raises
-    :class:`~mori.core.errors.MoriTimeoutError` naming those that did not arrive. Returns 0.
+    :class:`~mori.core.errors.MoriTimeoutError` naming those that did not arrive. A unique id
+    serves one init: once its job met, a second init with it (after finalize, or by a restarted
+    rank) raises :class:`~mori.core.errors.MoriValueError` at once. Returns 0.
     """
     func = "shmem_init_attr"
     if flags == MORI_SHMEM_INIT_WITH_UNIQUEID:
         if not isinstance(uid, (bytes, bytearray, memoryview)):
             raise bad_value(func, "uid", type(uid).__name__, "bytes from shmem_get_unique_id()")
         context.install(
-            func, lambda: ShmemContext(bootstrap.StoreBootstrap(rank, nranks, bytes(uid), func=func))
+            func, lambda: ShmemContext(bootstrap.from_unique_id(rank, nranks, bytes(uid), func=func))
         )
     elif flags == MORI_SHMEM_INIT_WITH_MPI_COMM:
 
@@ -76,7 +81,10 @@ def shmem_torch_process_group_init(group_name: str) -> int:
 
     ``group_name``: the name the group was registered under with
     ``torch._C._distributed_c10d._register_process_group(name, group)``; ``"default"`` also finds
-    the world group when nothing is registered under that name.
+    the world group when nothing is registered under that name. The ranks meet in the group's
+    store, not through a collective: a rank of the group that never calls this makes the others
+    fail after ``MORI_BOOTSTRAP_TIMEOUT`` with a :class:`~mori.core.errors.MoriTimeoutError` naming
+    it (its rank in the group).
     """
     func = "shmem_torch_process_group_init"
     context.install(func, lambda: ShmemContext(bootstrap.from_process_group(group_name, func=func)))
@@ -190,8 +198,11 @@ def shmem_buffer_register(ptr: int, size: int) -> int:
     """Register existing local memory (e.g. a torch tensor) as a source/target of one-sided calls.
 
     Not collective. On the CPU runtime peers cannot load or store it (``shmem_ptr_p2p`` gives 0);
-    it can be the local side of :func:`~mori.shmem.shmem_putmem`/``getmem``. Overlapping
-    registrations raise. Returns 0.
+    it can be the local side of :func:`~mori.shmem.shmem_putmem`/``getmem``. The range must be
+    memory the runtime can copy from and to: on the CPU runtime, mapped readable and writable in
+    this process (checked against the kernel's list of mappings; an unmapped, read-only or
+    no-access page raises :class:`~mori.core.errors.MoriValueError` naming its address).
+    Overlapping registrations raise. Deregister before freeing the memory. Returns 0.
     """
     func = "shmem_buffer_register"
     ctx = current(func)
@@ -199,6 +210,11 @@ def shmem_buffer_register(ptr: int, size: int) -> int:
         raise bad_value(func, "ptr", ptr, "the address (int > 0) of existing memory")
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
         raise bad_value(func, "size", size, "a number of bytes > 0")
+    if ptr >= ADDRESS_LIMIT:
+        raise bad_value(func, "ptr", ptr, "an address below 2**64")
+    if ptr + size > ADDRESS_LIMIT:
+        raise MoriValueError(f"{func}: [{ptr:#x}, +{size}) runs past the end of the address space")
+    ctx.runtime.check_local_buffer(func, ptr, size)
     with ctx.lock:
         for start, length in ctx.registered.items():
             if ptr < start + length and start < ptr + size:
@@ -289,6 +305,7 @@ def shmem_heap_info() -> dict[str, Any]:
     ctx = current("shmem_heap_info")
     return {
         "runtime": ctx.runtime.name,
+        "job_id": ctx.bootstrap.job_id,
         "base": ctx.base,
         "size": ctx.heap_size,
         "user_offset": layout.USER_OFF,

@@ -99,23 +99,27 @@ def _rank(rank: int, nranks: int, sizes: list[int], samples: int, pingpongs: int
     return result
 
 
-def run(args: argparse.Namespace) -> int:
-    args.json = args.json or f"bench-results/shmem-{args.device}.json"
-    if args.device == "cuda":
-        from mori.shmem import bench_gpu
+def summarise(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[list[str]], list[str]]:
+    """PE 0's timed rows (``size``, ``put_s``, ``copy_s`` sample lists) -> the JSON rows, the table
+    rows and the notes under the table.
 
-        return bench_gpu.report(args, *bench_gpu.run_gpu(args))
-    sizes = sorted(set(args.sizes or DEFAULT_SIZES))
-    if not sizes or sizes[0] <= 0:
-        raise SystemExit("mori bench shmem: --sizes must be byte counts > 0")
-    heap = 2 * max(sizes) + (16 << 20)
-    r0, r1 = shmem_ranks(_rank, 2, sizes, args.samples, args.pingpongs, heap=str(heap), timeout=600.0)
-    rows_out = []
-    table = []
-    for row in r0["rows"]:
-        size = row["size"]
-        put, copy = bench.Stats.of(row["put_s"]), bench.Stats.of(row["copy_s"])
+    A point whose put or ``copy_`` samples are clearly off (:func:`mori.core.bench.untrusted`) gets
+    no ratio: the table says ``off*`` and a note why, the JSON row ``ratio: null`` and the reasons.
+    """
+    sizes = [row["size"] for row in rows]
+    puts = [bench.Stats.of(row["put_s"]) for row in rows]
+    copies = [bench.Stats.of(row["copy_s"]) for row in rows]
+    put_off = bench.untrusted(sizes, puts, "put")
+    copy_off = bench.untrusted(sizes, copies, "copy_ baseline")
+    rows_out: list[dict[str, Any]] = []
+    table: list[list[str]] = []
+    notes: list[str] = []
+    for size, put, copy, *why in zip(sizes, puts, copies, put_off, copy_off, strict=True):
         put_gbs, copy_gbs = size / put.median / 1e9, size / copy.median / 1e9
+        off = [w for w in why if w is not None]
+        ratio = None if off else put_gbs / copy_gbs
+        if off:
+            notes.append(f"* {bench.human_bytes(size)}: no ratio, " + "; ".join(off))
         rows_out.append(
             {
                 "size": size,
@@ -123,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
                 "put_gbps_p10_p90": [size / put.p90 / 1e9, size / put.p10 / 1e9],
                 "copy_gbps": copy_gbs,
                 "copy_gbps_p10_p90": [size / copy.p90 / 1e9, size / copy.p10 / 1e9],
-                "ratio": put_gbs / copy_gbs,
+                "ratio": ratio,
+                "off": off,
                 "put_us_median": put.median * 1e6,
                 "copy_us_median": copy.median * 1e6,
                 "samples": put.n,
@@ -137,9 +142,29 @@ def run(args: argparse.Namespace) -> int:
                 f"{size / put.p90 / 1e9:.2f}-{size / put.p10 / 1e9:.2f}",
                 f"{copy_gbs:.2f}",
                 f"{size / copy.p90 / 1e9:.2f}-{size / copy.p10 / 1e9:.2f}",
-                f"{put_gbs / copy_gbs:.2f}",
+                "off*" if ratio is None else f"{ratio:.2f}",
             ]
         )
+    if notes:
+        notes.append(
+            f"{len(notes)} point(s) without a ratio: a measurement clearly off is not a result; run again "
+            f"on a quieter machine (or with more --samples)"
+        )
+    return rows_out, table, notes
+
+
+def run(args: argparse.Namespace) -> int:
+    args.json = args.json or f"bench-results/shmem-{args.device}.json"
+    if args.device == "cuda":
+        from mori.shmem import bench_gpu
+
+        return bench_gpu.report(args, *bench_gpu.run_gpu(args))
+    sizes = sorted(set(args.sizes or DEFAULT_SIZES))
+    if not sizes or sizes[0] <= 0:
+        raise SystemExit("mori bench shmem: --sizes must be byte counts > 0")
+    heap = 2 * max(sizes) + (16 << 20)
+    r0, r1 = shmem_ranks(_rank, 2, sizes, args.samples, args.pingpongs, heap=str(heap), timeout=600.0)
+    rows_out, table, notes = summarise(r0["rows"])
     print("mori bench shmem: host put bandwidth, PE 0 -> PE 1 (cpu runtime, 2 ranks, one node)")
     print("GB/s = bytes / median seconds per call (1 GB = 1e9 B); spread = p10-p90 of the samples")
     print(
@@ -147,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
             ["size", "put us", "put GB/s", "put p10-p90", "copy_ GB/s", "copy_ p10-p90", "put/copy_"], table
         )
     )
+    for note in notes:
+        print(note)
     rtt = bench.Stats.of(r0["rtt_s"])
     print(
         f"put+signal round trip (8 B): median {rtt.median * 1e6:.2f} us "

@@ -90,7 +90,8 @@ class ShmemContext:
     # -- setup / teardown ---------------------------------------------------------------------------
 
     def _setup(self) -> None:
-        tag = f"{os.urandom(6).hex()}.{self.my_pe}"
+        # the job's id first: every name a runtime derives from it groups by job (mori-heap.<job>.*)
+        tag = f"{self.bootstrap.job_id}.{self.my_pe}"
         self.segment = self.runtime.create_segment(self.heap_size, tag)
         self.bases[self.my_pe] = self.segment.addr
         me = PeerInfo(

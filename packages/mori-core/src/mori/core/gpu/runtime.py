@@ -103,7 +103,7 @@ _CMPS: dict[int, Callable[[int, int], bool]] = {
 
 def _word(word: int) -> tuple[str, int, int, int, Any]:
     if word not in _WORDS:
-        raise ValueError(f"unknown word type {word}")
+        raise MoriValueError(f"unknown word type {word}")
     return _WORDS[word]
 
 
@@ -111,12 +111,12 @@ def _check_word(addr: int, word: int, *values: int) -> tuple[str, int, Any]:
     """Validate the address and operands like mori.core._core does (same messages)."""
     name, size, lo, hi, ctype = _word(word)
     if addr == 0:
-        raise ValueError("address is 0 (null)")
+        raise MoriValueError("address is 0 (null)")
     if addr % size:
-        raise ValueError(f"address {addr} is not aligned to {size} bytes")
+        raise MoriValueError(f"address {addr} is not aligned to {size} bytes")
     for v in values:
         if not lo <= v <= hi:
-            raise ValueError(f"value {v} does not fit the atomic word")
+            raise MoriValueError(f"value {v} does not fit the atomic word")
     return name, size, ctype
 
 
@@ -547,11 +547,11 @@ class GpuRuntime(DeviceRuntime):
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         if nbytes < 0:
-            raise ValueError(f"copy: nbytes={nbytes} is negative")
+            raise MoriValueError(f"copy: nbytes={nbytes} is negative")
         if nbytes == 0:
             return
         if not dst or not src:
-            raise ValueError("copy: null address")
+            raise MoriValueError("copy: null address")
         st = self._require("copy")
         drv = st.drv
         with st.lock, st.active():
@@ -575,7 +575,7 @@ class GpuRuntime(DeviceRuntime):
 
     def atomic_rmw(self, addr: int, op: int, word: int, value: int) -> int:
         if op not in _OPS:
-            raise ValueError(f"unknown atomic op {op}")
+            raise MoriValueError(f"unknown atomic op {op}")
         _check_word(addr, word, value)
         return self._atomic(addr, word, op, value, 0)
 
@@ -611,7 +611,7 @@ class GpuRuntime(DeviceRuntime):
 
     def wait_until(self, addr: int, cmp: int, word: int, value: int, timeout_s: float) -> tuple[bool, int]:
         if cmp not in _CMPS:
-            raise ValueError(f"unknown comparison {cmp}")
+            raise MoriValueError(f"unknown comparison {cmp}")
         _, size, ctype = _check_word(addr, word, value)
         test = _CMPS[cmp]
         st = self._require("wait_until")
