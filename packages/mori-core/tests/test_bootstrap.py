@@ -345,3 +345,37 @@ def test_losing_the_store_is_a_named_error_not_a_torch_one(
         maker.stdout.close()
     assert message.startswith("MoriBackendError: the rendezvous store at"), message
     assert "has the process that serves it exited?" in message
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses this host listens on at ``port`` (from /proc/net/tcp and tcp6)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                local, _, state = line.split()[1:4]
+                addr, hexport = local.split(":")
+                if state == "0A" and int(hexport, 16) == port:
+                    found.add(addr)
+    return found
+
+
+def test_the_rendezvous_store_listens_on_the_configured_interface_only(clean_env: pytest.MonkeyPatch) -> None:
+    """torch's TCPStore alone would listen on every interface; the store of a unique id listens on
+    the address MORI_SOCKET_IFNAME names (here the loopback interface), nowhere else."""
+    from mori.core.bootstrap import UniqueId
+
+    clean_env.setenv("MORI_SOCKET_IFNAME", "lo")
+    uid = UniqueId.unpack(shmem.shmem_get_unique_id())
+    assert uid.host == "127.0.0.1"
+    assert _listening_addresses(uid.port) == {"0100007F"}  # 127.0.0.1, not 0.0.0.0 nor ::
+    shmem_ranks_result = run_ranks(_init_with_uid, 2, bytes(uid.pack()))
+    assert shmem_ranks_result == [0, 1]
+
+
+def _init_with_uid(rank: int, nranks: int, uid: bytes) -> int:
+    shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, rank, nranks, uid)
+    try:
+        return shmem.shmem_mype()
+    finally:
+        shmem.shmem_finalize()

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 import struct
 import threading
 import time
@@ -100,13 +101,32 @@ def get_unique_id() -> bytes:
     an id of its own starts a store nobody else joins, and waits there alone. The process must
     stay alive until every rank has initialised (it serves the store). An id serves one init:
     after the job completed its rendezvous it is spent, and joining it again fails at once.
-    ``MORI_SOCKET_IFNAME`` picks the interface whose address goes into the id.
+    ``MORI_SOCKET_IFNAME`` picks the interface whose address goes into the id; the store listens
+    on that address only (not on every interface).
     """
     from torch._C._distributed_c10d import TCPStore
 
     timeout = datetime.timedelta(seconds=env.MORI_BOOTSTRAP_TIMEOUT.require())
-    server = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timeout)
-    uid = UniqueId(advertised_host(), server.port, secrets.token_bytes(16))
+    host = advertised_host()
+    # torch's TCPStore binds every interface whatever host it is given; a socket bound here to the
+    # configured address, handed over as its listening socket, keeps it to that interface.
+    listener = socket.create_server(
+        (host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=512
+    )
+    try:
+        server = TCPStore(
+            host,
+            listener.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timeout,
+            master_listen_fd=listener.fileno(),
+        )
+    except Exception:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the descriptor now (it closes it when it goes)
+    uid = UniqueId(host, server.port, secrets.token_bytes(16))
     with _servers_lock:
         _servers[uid.nonce] = server
     return uid.pack()

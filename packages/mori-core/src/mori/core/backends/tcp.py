@@ -15,7 +15,9 @@ from mori.core.plugins import hookimpl
 
 class TcpTransport(NetworkTransport):
     name = "tcp"
-    description = "built-in network transport: TCP between nodes, Unix sockets and cross-memory attach within one"
+    description = (
+        "built-in network transport: TCP between nodes, Unix sockets and cross-memory attach within one"
+    )
     priority = 10
 
     def probe(self) -> Availability:
