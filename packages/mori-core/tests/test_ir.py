@@ -52,7 +52,14 @@ def _pattern(seed: int, nbytes: int) -> Any:
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).to(_device())
+
+
+def _device() -> Any:
+    """Where this rank's heap is (the CPU, or its GPU): a test's local tensors live there too."""
+    from mori.shmem import device as shd
+
+    return shd.shmem_device_context().device
 
 
 def _bits(t: Any) -> int:
@@ -219,12 +226,13 @@ def _examples(rank: int, n: int) -> None:
     from mori.ir.triton import get_extern_libs, install_hook
 
     k = _kernels()
+    dev = _device()
     install_hook()
     libs = get_extern_libs()
     right, left = (rank + 1) % n, (rank - 1) % n
 
     # test_triton_shmem.py: identity, an immediate put, a non-blocking and a blocking get
-    out = torch.zeros(2, dtype=torch.int32)
+    out = torch.zeros(2, dtype=torch.int32, device=dev)
     k.basic_kernel[(1,)](out, extern_libs=libs)
     assert out.tolist() == [rank, n]
 
@@ -237,12 +245,12 @@ def _examples(rank: int, n: int) -> None:
 
     for blocking in (0, 1):
         remote = ms.mori_shmem_create_tensor((5,), torch.int32)
-        remote.copy_(torch.arange(5, dtype=torch.int32) + rank * 200 + blocking)
+        remote.copy_(torch.arange(5, dtype=torch.int32, device=dev) + rank * 200 + blocking)
         local = ms.mori_shmem_create_tensor((5,), torch.int32)
         local.fill_(-1)
         ms.shmem_barrier_all()
         k.get_kernel[(1,)](local, remote, 12, BLOCKING=blocking, extern_libs=libs)  # 3 of 5 ints
-        want = torch.arange(5, dtype=torch.int32) + right * 200 + blocking
+        want = torch.arange(5, dtype=torch.int32, device=dev) + right * 200 + blocking
         assert local[:3].tolist() == want[:3].tolist() and local[3:].tolist() == [-1, -1]
         ms.shmem_barrier_all()
 
@@ -268,9 +276,10 @@ def _examples(rank: int, n: int) -> None:
     # toward zero under the interpreter (its float32 -> bf16 conversion truncates).
     N = 3000
     data = [
-        torch.randn(N, generator=torch.Generator().manual_seed(7 + p)).to(torch.bfloat16) for p in range(n)
+        torch.randn(N, generator=torch.Generator().manual_seed(7 + p)).to(torch.bfloat16).to(dev)
+        for p in range(n)
     ]
-    acc = torch.zeros(N, dtype=torch.float32)
+    acc = torch.zeros(N, dtype=torch.float32, device=dev)
     for p in range(n):
         acc += data[p].float()
     nearest = acc.to(torch.bfloat16)
@@ -282,7 +291,7 @@ def _examples(rank: int, n: int) -> None:
     symm = ms.mori_shmem_create_tensor((N,), torch.bfloat16)
     symm.copy_(data[rank])
     ms.shmem_barrier_all()
-    result = torch.empty(N, dtype=torch.bfloat16)
+    result = torch.empty(N, dtype=torch.bfloat16, device=dev)
     k.allreduce_p2p_kernel[(triton_cdiv(N, 1024),)](
         symm, result, n, N, BLOCK_SIZE=1024, MAX_PES=8, extern_libs=libs
     )
@@ -293,10 +302,11 @@ def _examples(rank: int, n: int) -> None:
     for run in range(2):  # twice: the signals are reset between runs, as in the original
         recv.zero_()
         signal.zero_()
-        output = torch.empty(N, dtype=torch.bfloat16)
+        output = torch.empty(N, dtype=torch.bfloat16, device=dev)
         ms.shmem_barrier_all()
         meta = {"CHUNK_SIZE": 2048, "MAX_PES": 8, "CHUNKS_PER_PE": 2, "BLOCK_SIZE": 1024, "extern_libs": libs}
-        for phases in (1, 2):  # the interpreter needs the phases in two launches (see the kernel)
+        # one launch on a GPU; the interpreter needs the phases in two (see the kernel)
+        for phases in (1, 2) if os.environ.get("TRITON_INTERPRET") == "1" else (3,):
             k.allreduce_put_signal_kernel[(16,)](
                 symm, recv, output, signal, rank, n, N, PHASES=phases, **meta
             )
@@ -324,8 +334,9 @@ def _families(rank: int, n: int) -> None:
     from mori.shmem import device as shd
 
     k = _kernels()
+    dev = _device()
     right, left = (rank + 1) % n, (rank - 1) % n
-    status = torch.zeros(1, dtype=torch.int32)
+    status = torch.zeros(1, dtype=torch.int32, device=dev)
     size = 300  # bytes of each buffer; copies land at an offset inside, guarded on both sides
     dst = ms.mori_shmem_create_tensor((size,), torch.uint8)
     src = ms.mori_shmem_create_tensor((size,), torch.uint8)
@@ -353,7 +364,7 @@ def _families(rank: int, n: int) -> None:
                 if is_put:
                     ms.shmem_barrier_all()  # the left neighbour has put into my dst
                 # either way dst now holds the left neighbour's src there, and nothing else changed
-                want = torch.full((size,), 0xEE, dtype=torch.uint8)
+                want = torch.full((size,), 0xEE, dtype=torch.uint8, device=dev)
                 want[offset : offset + nbytes] = _pattern(1000 + left, size)[offset : offset + nbytes]
                 assert torch.equal(dst, want), f"{name}: {count} x {elem} bytes at offset {offset}"
                 ms.shmem_barrier_all()
@@ -391,7 +402,7 @@ def _families(rank: int, n: int) -> None:
     # single values, stored into the right neighbour's word
     word = ms.mori_shmem_create_tensor((2,), torch.int64)
     ivalue, fvalue = -123456789012, 2.75
-    raw = torch.tensor([0x0102030405060708], dtype=torch.int64)
+    raw = torch.tensor([0x0102030405060708], dtype=torch.int64, device=dev)
     for fn, (name, dtype_name) in enumerate(k.VALUES):
         word.fill_(-1)
         ms.shmem_barrier_all()
@@ -400,12 +411,16 @@ def _families(rank: int, n: int) -> None:
         ms.shmem_barrier_all()
         got = word.view(torch.uint8)
         if dtype_name is None:  # put_size_imm_nbi_thread: 6 bytes of raw
-            want = torch.cat([raw.view(torch.uint8)[:6], torch.full((10,), 0xFF, dtype=torch.uint8)])
+            want = torch.cat(
+                [raw.view(torch.uint8)[:6], torch.full((10,), 0xFF, dtype=torch.uint8, device=dev)]
+            )
         else:
             dtype = getattr(torch, dtype_name)
             v = fvalue if dtype.is_floating_point else ivalue
-            one = torch.tensor([v], dtype=torch.float64 if dtype.is_floating_point else torch.int64).to(dtype)
-            want = torch.full((16,), 0xFF, dtype=torch.uint8)
+            one = torch.tensor(
+                [v], dtype=torch.float64 if dtype.is_floating_point else torch.int64, device=dev
+            ).to(dtype)
+            want = torch.full((16,), 0xFF, dtype=torch.uint8, device=dev)
             want[: dtype.itemsize] = one.view(torch.uint8)
         assert torch.equal(got, want), f"{name}: {got.tolist()}"
         k.value_family_kernel[(1,)](word, ivalue, fvalue, raw, 6, n + 3, fn, status)
@@ -415,11 +430,11 @@ def _families(rank: int, n: int) -> None:
     # atomics: every function on PE 0's word from every rank, 8 programs each
     progs = 8
     words = ms.mori_shmem_create_tensor((4,), torch.int64)
-    outs = torch.zeros(progs, dtype=torch.int64)
+    outs = torch.zeros(progs, dtype=torch.int64, device=dev)
     for fn, (name, wname, fetches) in enumerate(k.ATOMICS):
         words.zero_()
         ms.shmem_barrier_all()
-        value = torch.tensor([5], dtype=torch.int64)  # for atomic_size_nonfetch_thread (8 bytes)
+        value = torch.tensor([5], dtype=torch.int64, device=dev)  # for atomic_size_nonfetch_thread (8 bytes)
         k.atomic_family_kernel[(progs,)](words, 5, 0, ir.AMO_ADD, value, 8, 0, fn, outs)
         ms.shmem_barrier_all()
         if rank == 0:
@@ -436,7 +451,7 @@ def _families(rank: int, n: int) -> None:
     # every operation code, on this rank's own uint64 slot of the right neighbour's words, with the
     # fetching function (fn 4 returns the previous value) and the non-fetching one (fn 1, a status)
     slot = words[rank : rank + 1]  # NRANKS == len(words)
-    value_t = torch.tensor([0], dtype=torch.int64)
+    value_t = torch.tensor([0], dtype=torch.int64, device=dev)
 
     def amo(op: int, value: int, compare: int = 0, fn: int = 4) -> int:
         k.atomic_family_kernel[(1,)](slot, value, compare, op, value_t, 8, right, fn, outs)
@@ -475,7 +490,7 @@ def _families(rank: int, n: int) -> None:
     # atomic_size_nonfetch_thread: a 4-byte value on a uint32 word, and a size it refuses
     words.zero_()
     ms.shmem_barrier_all()
-    four = torch.tensor([6], dtype=torch.int32)
+    four = torch.tensor([6], dtype=torch.int32, device=dev)
     k.atomic_family_kernel[(1,)](slot, 0, 0, ir.AMO_ADD, four, 4, right, 12, outs)
     assert outs[0].item() == 0
     k.atomic_family_kernel[(1,)](slot, 0, 0, ir.AMO_ADD, four, 2, right, 12, outs)
@@ -487,7 +502,7 @@ def _families(rank: int, n: int) -> None:
     # waits: the word already satisfies the wait (greater_than returns it), then a wait that the
     # left neighbour satisfies later with an immediate put
     w = ms.mori_shmem_create_tensor((1,), torch.int64)
-    got = torch.zeros(1, dtype=torch.int64)
+    got = torch.zeros(1, dtype=torch.int64, device=dev)
     for fn, (name, wname, cmp) in enumerate(k.WAITS):
         dtype = getattr(torch, wname)
         w.zero_()
@@ -504,8 +519,8 @@ def _families(rank: int, n: int) -> None:
 
     # ordering and barriers; ptr / ptr_p2p against the host's shmem_ptr_p2p
     cell = ms.mori_shmem_create_tensor((1,), torch.int64)
-    ptrs = torch.zeros(3, dtype=torch.int64)
-    out = torch.zeros(2, dtype=torch.int32)
+    ptrs = torch.zeros(3, dtype=torch.int64, device=dev)
+    out = torch.zeros(2, dtype=torch.int32, device=dev)
     for fn, name in enumerate(k.SYNCS):
         cell.fill_(-5)
         ms.shmem_barrier_all()
@@ -550,7 +565,7 @@ def _refused(launch: Any, match: str) -> None:
 def _launch_before_init(rank: int, n: int) -> None:
     import torch
 
-    out = torch.zeros(2, dtype=torch.int32)
+    out = torch.zeros(2, dtype=torch.int32)  # before init: there is no heap device yet
     _refused(lambda: _kernels().basic_kernel[(1,)](out), "mori.shmem is not initialised")
 
 
@@ -563,7 +578,8 @@ def _lifecycle(rank: int, n: int, uid: bytes) -> None:
     from mori.shmem import device as shd
 
     k = _kernels()
-    out = torch.zeros(2, dtype=torch.int32)
+    dev = _device()
+    out = torch.zeros(2, dtype=torch.int32, device=dev)
     install_hook()  # shmem is up: binds the buffer now
     address = CONTEXT.value
     k.basic_kernel[(1,)](out)
@@ -600,3 +616,46 @@ def test_context_before_init_after_finalize_and_across_reinit() -> None:
         env=INTERPRET,
         before_init=_launch_before_init,
     )
+
+
+# -- the same kernels compiled, on ranks that share one GPU -------------------------------------------
+
+
+def _gpu_runtime() -> str | None:
+    """The device runtime for this machine's GPUs ("cuda" / "hip"), None without a usable GPU."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return "hip" if getattr(torch.version, "hip", None) else "cuda"
+
+
+def _first_gpu(rank: int, nranks: int) -> None:
+    import torch
+
+    torch.cuda.set_device(0)
+
+
+def _on_gpu(rank: int, n: int) -> None:
+    _examples(rank, n)
+    _families(rank, n)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_gpu_runtime() is None, reason="needs a GPU (torch.cuda.is_available() is False)")
+def test_ir_kernels_on_ranks_sharing_one_gpu() -> None:
+    """The examples and every function, compiled, on MORI_TEST_IR_GPU_RANKS (default 4) ranks that all
+    use GPU 0: their kernels spin waiting for each other, so they must run at the same time (start
+    an MPS daemon first for real concurrency; without it the GPU time-slices them, slowly). Every rank
+    compiles each kernel once (the context address is per process), hence the long timeout."""
+    from importlib.metadata import entry_points
+
+    runtime = _gpu_runtime()
+    plugin = {"cuda": "nvlink", "hip": "xgmi"}[runtime or "cuda"]
+    if not any(ep.name == plugin for ep in entry_points(group="mori.backends")):
+        pytest.fail(f"the {runtime} runtime needs mori-backend-{plugin}: pip install backends/{plugin}")
+    nranks = int(os.environ.get("MORI_TEST_IR_GPU_RANKS", "4"))
+    env = {"MORI_DEVICE_RUNTIME": str(runtime), "MORI_SHMEM_HEAP_SIZE": "256M"}
+    shmem_ranks(_on_gpu, nranks, heap="256M", timeout=600.0, env=env, before_init=_first_gpu)
