@@ -5,15 +5,13 @@ In the original, ``mori.cpp`` is the pybind11 extension that every component's c
 component ships its own classes; this module re-exports them under the original's names, importing
 a component only when one of its names is first used:
 
-=====================================================================  ===============
-names                                                                  from (install)
-=====================================================================  ===============
-``TransferStatus``, ``StatusCode``, ``BackendType``, ``IOEngine``, ...  mori.io (mori-io)
-``EpDispatchCombineConfig``, ``EpDispatchCombineKernelType``            mori.ops (mori-ep)
-``UMBPClient``, ``UMBPConfig``, ``UMBPMasterClient``, ...               mori.umbp (mori-umbp)
-``get_debug_time_buf``, ``get_debug_time_offset``, ``ALL_PROFILER_SLOTS``  mori.viz (mori-viz)
-``shmem_init_attr``, ``shmem_malloc``, ... (the host API)               mori.shmem (mori-core)
-=====================================================================  ===============
+* mori.io (mori-io): ``TransferStatus``, ``StatusCode``, ``BackendType``, ``IOEngine``, ...
+* mori.ops (mori-ep): ``EpDispatchCombineConfig``, ``EpDispatchCombineKernelType``
+* mori.umbp (mori-umbp): ``UMBPClient``, ``UMBPConfig``, ``UMBPMasterClient``, ...
+* mori.viz (mori-viz): ``get_debug_time_buf``, ``get_debug_time_offset``, ``ALL_PROFILER_SLOTS``
+* mori.shmem (mori-core): the host API, ``shmem_init_attr``, ``shmem_malloc``, ...
+
+:data:`PROVIDERS` lists every name and its module.
 
 A name whose distribution is not installed raises ``ModuleNotFoundError`` saying ``pip install
 <distribution>``; a name its installed component does not provide (yet) raises ``ImportError``
