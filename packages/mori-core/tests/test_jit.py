@@ -227,3 +227,35 @@ def test_mori_jit_command(capsys: Any, tmp_path: Path, monkeypatch: Any) -> None
     assert f"{tmp_path}: 1 compiled kernels" in capsys.readouterr().out
     assert main(["jit", "precompile", "--targets", "cuda:sm90"]) == 1
     assert "target='cuda:sm90' is not allowed" in capsys.readouterr().err
+
+
+def _gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _gpu(), reason="needs a GPU (torch.cuda.is_available() is False)")
+def test_precompile_for_this_gpu_is_what_a_real_launch_loads(tmp_path: Path) -> None:
+    """On a GPU: precompile() picks this GPU's target, and a real launch of a precompiled variant
+    (Triton's own driver) compiles nothing."""
+    body = """
+driver.reset_active()  # the real GPU driver, not the prelude's stand-in
+os.environ["MORI_PRECOMPILE"] = "0"
+from mori.jit import find_kernels, precompile
+from mori.shmem.kernels import barrier_kernel
+kernels = [k for k in find_kernels() if k.name == "barrier_kernel"]
+report = precompile(kernels=kernels, progress=None)
+target = driver.active.get_current_target()
+assert report.targets == [f"{target.backend}:{target.arch}"] and report.count("compiled") == 1, report.summary()
+n = len(entries())
+heap = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")  # a one-PE "heap" with the barrier words
+ctx = torch.tensor([0, 1, heap.data_ptr()], dtype=torch.int64, device="cuda")
+barrier_kernel[(1,)](ctx)  # a real launch: a barrier of one PE
+torch.cuda.synchronize()
+assert len(entries()) == n, "the launch compiled its kernel again"
+print("ok")
+"""
+    run = _run(tmp_path, body)
+    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr[-3000:]
