@@ -658,4 +658,4 @@ def test_ir_kernels_on_ranks_sharing_one_gpu() -> None:
         pytest.fail(f"the {runtime} runtime needs mori-backend-{plugin}: pip install backends/{plugin}")
     nranks = int(os.environ.get("MORI_TEST_IR_GPU_RANKS", "4"))
     env = {"MORI_DEVICE_RUNTIME": str(runtime), "MORI_SHMEM_HEAP_SIZE": "256M"}
-    shmem_ranks(_on_gpu, nranks, heap="256M", timeout=600.0, env=env, before_init=_first_gpu)
+    shmem_ranks(_on_gpu, nranks, heap="256M", timeout=400.0, env=env, before_init=_first_gpu)

@@ -44,12 +44,14 @@ def entries():  # compiled kernels: directories with files (a cache lookup may l
     return sorted(d for d in os.listdir(cache) if os.listdir(os.path.join(cache, d)))
 """
 
-_PRECOMPILE_AT_IMPORT = """
-os.environ["MORI_PRECOMPILE"] = "1"
-import mori  # precompiles every kernel variant for "this machine" (cuda:90) into the cache
+_PRECOMPILE_THEN_LAUNCH = """
+from mori.jit import find_kernels, precompile
 from mori.shmem.kernels import barrier_kernel, put_kernel
+kernels = [k for k in find_kernels() if k.module == "mori.shmem.kernels" and k.name in ("barrier_kernel", "put_kernel")]
+report = precompile(kernels=kernels)  # "this machine": the stand-in driver's cuda:90
+assert report.targets == ["cuda:90"] and report.count("compiled") == 5 and report.ok, report.summary()
 n_mori = len(entries())
-assert n_mori > 0
+assert n_mori == 5
 
 # a launch whose arguments match a declared variant finds its code: nothing new in the cache
 barrier_kernel.warmup(torch.int64, grid=(1,))
@@ -78,7 +80,20 @@ def user_kernel(x_ptr):
 
 user_kernel.warmup(torch.int32, grid=(1,))
 assert len(entries()) == n_mori + 1
-print("ok", n_mori)
+print("ok")
+"""
+
+_PRECOMPILE_AT_IMPORT = """
+class NoGpu:  # so that this check runs the same on a GPU machine
+    def get_current_target(self): raise RuntimeError("0 active drivers")
+
+driver.set_active(NoGpu())
+os.environ["MORI_PRECOMPILE"] = "1"
+import mori  # runs precompile(), which finds no GPU and says so
+from mori.jit import precompile
+report = precompile(progress=None)
+assert report.results == [] and report.targets == [] and "no GPU here" in report.note, report.note
+print("ok")
 """
 
 
@@ -92,18 +107,22 @@ def _run(tmp_path: Path, body: str, **env: str) -> subprocess.CompletedProcess[s
     )
 
 
-def test_precompile_at_import_fills_what_launches_look_up(tmp_path: Path) -> None:
-    run = _run(tmp_path, _PRECOMPILE_AT_IMPORT)
+def test_precompiled_variants_are_what_launches_look_up(tmp_path: Path) -> None:
+    run = _run(tmp_path, _PRECOMPILE_THEN_LAUNCH)
     assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr[-4000:]
     # progress: one line per compiled variant, then the summary
     lines = run.stderr.strip().splitlines()
-    assert any("cuda:90 mori.shmem.kernels.barrier_kernel" in line and "compiled" in line for line in lines)
-    summary = (
-        lines[-1]
-        if lines[-1].startswith("mori.jit.precompile:")
-        else next(line for line in lines if line.startswith("mori.jit.precompile:"))
+    assert any(line.startswith("[1/5] cuda:90 mori.shmem.kernels.put_kernel") for line in lines), lines
+    assert "compiled" in lines[0] and lines[-1].startswith(
+        "mori.jit.precompile: 5 kernel variants for cuda:90"
     )
-    assert " 0 failed" in summary and "cuda:90" in summary, summary
+    assert " 5 compiled, 0 cached, 0 skipped, 0 failed" in lines[-1], lines[-1]
+
+
+def test_mori_precompile_runs_at_import(tmp_path: Path) -> None:
+    run = _run(tmp_path, _PRECOMPILE_AT_IMPORT)
+    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr[-3000:]
+    assert "mori.jit.precompile: no GPU here" in run.stderr, run.stderr
 
 
 def test_precompile_twice_compiles_nothing_and_skips_ir_kernels(tmp_path: Path, monkeypatch: Any) -> None:
@@ -142,22 +161,6 @@ def test_precompile_twice_compiles_nothing_and_skips_ir_kernels(tmp_path: Path, 
         precompile(["sm_90"], kernels=kernels, progress=None)
     with pytest.raises(MoriValueError, match="targets"):
         precompile([], kernels=kernels, progress=None)
-
-
-def test_precompile_without_a_gpu_says_so(tmp_path: Path) -> None:
-    body = """
-from triton.runtime import driver
-class NoGpu:
-    def get_current_target(self): raise RuntimeError("0 active drivers")
-driver.set_active(NoGpu())
-from mori.jit import precompile
-report = precompile()
-assert report.results == [] and "no GPU here" in report.note, report.note
-print("ok")
-"""
-    run = _run(tmp_path, body)
-    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr[-3000:]
-    assert "mori.jit.precompile: no GPU here" in run.stderr
 
 
 def test_parse_target() -> None:
