@@ -20,7 +20,9 @@ Discovery, built so that a kernel cannot be skipped silently:
    error too.
 
 Every variant of every kernel is compiled for each target (a fresh Triton cache unless
-``--cache``), a table kernel x target is printed, and the exit status is 1 if anything failed.
+``--cache``) by :func:`mori.jit.compile_variant`, the compile a launch with the variant's argument
+types makes (what ``mori jit precompile`` runs too), a table kernel x target is printed, and the
+exit status is 1 if anything failed.
 
     python tools/compile_kernels.py                        # all four targets
     python tools/compile_kernels.py --targets cuda:90,hip:gfx942 -j 4 --out build/kernels
@@ -354,25 +356,15 @@ def compile_one(task: Task, out_dir: str | None) -> tuple[Task, bool, str, float
     """Compile one variant for one target; (task, ok, message, seconds). Runs in a worker."""
     t0 = time.perf_counter()
     try:
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-
         from mori.core.kernels import aot_specs
+        from mori.jit import compile_variant
 
         module = import_file(Path(task.path))
         obj = getattr(module, task.name)
-        jit = _triton_function(obj)
         spec = aot_specs(obj)[task.variant]
-        names = list(jit.arg_names)
-        signature = {n: spec.signature.get(n, "constexpr") for n in names}
-        constexprs = dict(spec.constexprs)
-        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in spec.aligned}
-        backend, arch, warp = TARGETS[task.target]
-        src = ASTSource(fn=jit, signature=signature, constexprs=constexprs, attrs=attrs)
-        kernel = triton.compile(
-            src, target=GPUTarget(backend, arch, warp), options={"num_warps": spec.num_warps}
-        )
+        # the call a launch with these argument types makes, so the code is the code a launch gets
+        kernel = compile_variant(obj, spec, task.target)
+        backend = TARGETS[task.target][0]
         binary = "cubin" if backend == "cuda" else "hsaco"
         if binary not in kernel.asm or not kernel.asm[binary]:
             return task, False, f"no {binary} produced", time.perf_counter() - t0

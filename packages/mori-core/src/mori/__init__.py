@@ -1,10 +1,14 @@
 """MORI: Modular RDMA Interface.
 
 ``mori`` is a namespace shared by several distributions: ``mori-core`` (``mori.core``,
-``mori.shmem``), ``mori-ep`` (``mori.ep``), ``mori-io`` (``mori.io``), ``mori-cco``
-(``mori.cco``, ``mori.ccl``), ``mori-umbp`` (``mori.umbp``) and ``mori-viz`` (``mori.viz``).
-Components are imported lazily, so ``import mori`` then ``mori.shmem.shmem_mype()`` works, and
-touching a component whose distribution is missing says which one to install.
+``mori.shmem``, ``mori.ir``, ``mori.jit``, ``mori.tensor_utils``, ``mori.cpp``,
+``mori.kernel_profiler``), ``mori-ep`` (``mori.ep``, ``mori.ops``), ``mori-io`` (``mori.io``),
+``mori-cco`` (``mori.cco``, ``mori.ccl``), ``mori-umbp`` (``mori.umbp``) and ``mori-viz``
+(``mori.viz``). Components are imported lazily, so ``import mori`` then ``mori.shmem.shmem_mype()``
+works, and touching a component whose distribution is missing says which one to install.
+
+Importing ``mori`` applies ``MORI_JIT_CACHE_DIR`` and ``MORI_DISABLE_JIT`` and, with
+``MORI_PRECOMPILE=1``, compiles every kernel variant for this machine's GPU (:mod:`mori.jit`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ __path__ = extend_path(__path__, __name__)
 COMPONENTS: dict[str, str] = {
     "core": "mori-core",
     "shmem": "mori-core",
+    "ir": "mori-core",
+    "jit": "mori-core",
+    "tensor_utils": "mori-core",
+    "cpp": "mori-core",
+    "kernel_profiler": "mori-core",  # forwards to mori.viz, which names mori-viz when it is missing
     "ep": "mori-ep",
     "ops": "mori-ep",  # the original's name for the EP component
     "io": "mori-io",
@@ -65,3 +74,23 @@ def __getattr__(name: str) -> ModuleType:
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *COMPONENTS])
+
+
+def _start() -> None:
+    # mori.jit's settings (MORI_JIT_CACHE_DIR, MORI_DISABLE_JIT), then MORI_PRECOMPILE=1. Failures are
+    # reported on stderr, not raised: a bad setting must not make `import mori` fail (`mori env`
+    # shows the invalid value too).
+    from mori.core import env
+    from mori.jit.cache import apply_environment
+
+    try:
+        apply_environment()
+        if env.MORI_PRECOMPILE.get():
+            from mori.jit import precompile
+
+            precompile()
+    except Exception as e:
+        print(f"mori: at import, mori.jit: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+_start()

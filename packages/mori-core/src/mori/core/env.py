@@ -153,6 +153,30 @@ MORI_DISABLE_P2P = EnvVar(
     "1",
     parse_bool,
 )
+MORI_PRECOMPILE = EnvVar(
+    "MORI_PRECOMPILE",
+    "0",
+    "At `import mori`, compile every kernel variant of the installed MORI packages for this machine's GPU "
+    "into Triton's cache (mori.jit.precompile; progress on stderr).",
+    "1",
+    parse_bool,
+)
+MORI_JIT_CACHE_DIR = EnvVar(
+    "MORI_JIT_CACHE_DIR",
+    None,
+    "Directory of compiled kernels: made Triton's cache directory (TRITON_CACHE_DIR) at `import mori`, unless "
+    "TRITON_CACHE_DIR is set. Default: Triton's, ~/.triton/cache.",
+    "/scratch/mori-kernels",
+    str,
+)
+MORI_DISABLE_JIT = EnvVar(
+    "MORI_DISABLE_JIT",
+    "0",
+    "Never compile a MORI kernel at run time: a launch whose code is not in the cache raises (fill it with "
+    "`mori jit precompile` first).",
+    "1",
+    parse_bool,
+)
 
 #: every variable mori-core reads, in the order `mori env` prints them
 ALL: tuple[EnvVar[object], ...] = (
@@ -164,4 +188,7 @@ ALL: tuple[EnvVar[object], ...] = (
     MORI_AUTH_TOKEN,
     MORI_DEVICE_RUNTIME,
     MORI_DISABLE_P2P,
+    MORI_PRECOMPILE,
+    MORI_JIT_CACHE_DIR,
+    MORI_DISABLE_JIT,
 )
