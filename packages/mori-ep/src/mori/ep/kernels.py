@@ -40,10 +40,18 @@ each program reduces its chunks as the flags arrive, pushing its next chunk mean
 Both combines end with ``READY_C``: the last program tells every peer "I have read what you
 published" and waits until every peer said the same, so the next combine may overwrite it.
 
-Epochs live in the control words on the device, so the kernels take no per-call host value: a
-CUDA graph of them replays correctly. Control words (int64, symmetric, ``W`` = world size):
-``[0, W)`` READY_D, ``[W, 2W)`` DONE_D, ``[2W, 3W)`` READY_C, ``[3W, 4W)`` DONE_C, then SLOT,
-EPOCH_D, EPOCH_C, TICKET_D, TICKET_C and the combine's read ticket (local words).
+Epochs live in the control words on the device, so the kernels take no per-call host value
+that changes from call to call: a CUDA graph of them replays correctly. Control words (int64,
+symmetric, ``W`` = world size): ``[0, W)`` READY_D, ``[W, 2W)`` DONE_D, ``[2W, 3W)`` READY_C,
+``[3W, 4W)`` DONE_C, then SLOT, EPOCH_D, EPOCH_C, TICKET_D, TICKET_C, the combine's read ticket,
+ERR_D (local words), and DESC_D ``[2][W]``.
+
+Ranks agree on each dispatch (see :mod:`mori.ep.agreement`): before its ready signal, program 0
+of ``dispatch_kernel`` stores the call's descriptor (dtype, hidden size, scale bytes, weights,
+replay; one word packed by the host) into every peer's ``DESC_D[epoch % 2][me]``; after the
+handshake each program compares the W words. If any differs, every rank sends no row (and
+publishes ``total_recv = 0``) and stores the epoch into ERR_D, from which the host names the
+fields. A peer is at most one call ahead, so two descriptor rows by parity never mix calls.
 
 Token rows travel as words (int32, int16 or uint8, the widest that the row size allows), so one
 kernel serves every dtype of the same width class; combine's reduction reads them typed.
@@ -60,15 +68,31 @@ from mori.core.kernels import aot_variants, device_function
 from mori.shmem import device as shd
 
 __all__ = [
-    "N_CTRL_EXTRA",
+    "err_d_word",
     "combine_kernel",
     "combine_push_kernel",
+    "ctrl_words",
+    "desc_d_words",
     "dispatch_recv_kernel",
     "dispatch_kernel",
 ]
 
-#: control words after the 4 * world_size signal words
-N_CTRL_EXTRA = 6
+
+def ctrl_words(world: int) -> int:
+    """int64 control words of one operator: the 4 * W signal words, six local words, ERR_D and the
+    dispatch descriptors DESC_D[2][W] (see the module docstring)."""
+    return 6 * world + 7
+
+
+def err_d_word(world: int) -> int:
+    """Index of ERR_D: the epoch of the last dispatch whose ranks disagreed (0: none)."""
+    return 4 * world + 6
+
+
+def desc_d_words(world: int, epoch: int) -> slice:
+    """The W descriptor words of dispatch ``epoch`` (two alternate, by parity)."""
+    base = 4 * world + 7 + (epoch % 2) * world
+    return slice(base, base + world)
 
 
 @device_function
@@ -89,6 +113,30 @@ def _handshake(ctrl_ptr, ready_off, epoch, ctx_ptr, W: tl.constexpr):
             shd.signal_op(ctrl_ptr + ready_off + me, 1, shd.SIGNAL_ADD, q, ctx_ptr)
     for q in tl.static_range(W):
         shd.wait_until(ctrl_ptr + ready_off + q, shd.SHMEM_CMP_GE, epoch)
+
+
+@device_function
+@triton.jit
+def _post_desc(ctrl_ptr, desc, epoch, ctx_ptr, W: tl.constexpr):
+    # program 0 stores this call's descriptor into every peer's DESC_D[epoch % 2][me], before the
+    # ready signal of _handshake (a release by the same thread: a peer that saw the signal sees it)
+    me = shd.my_pe(ctx_ptr)
+    desc_off = 4 * W + 7 + (epoch % 2) * W
+    if tl.program_id(0) == 0:
+        for q in tl.static_range(W):
+            shd.signal_op(ctrl_ptr + desc_off + me, desc, shd.SIGNAL_SET, q, ctx_ptr)
+
+
+@device_function
+@triton.jit
+def _peers_disagree(ctrl_ptr, desc, epoch, W: tl.constexpr):
+    # after _handshake: whether any peer posted another descriptor for call `epoch` (every rank
+    # compares the same W words, so every rank decides alike)
+    desc_off = 4 * W + 7 + (epoch % 2) * W
+    bad = desc != desc
+    for q in tl.static_range(W):
+        bad = bad | (tl.load(ctrl_ptr + desc_off + q, volatile=True) != desc)
+    return bad
 
 
 @device_function
@@ -114,6 +162,7 @@ def _finish(ctrl_ptr, ticket_off, epoch_off, done_off, epoch, ctx_ptr, W: tl.con
 @triton.jit
 def _publish_total(ctrl_ptr, total_ptr, replay_total_ptr, epoch, W: tl.constexpr, REPLAY: tl.constexpr):
     # wait for every peer's dispatch `epoch`, then publish total_recv and reset the slot counter
+    # (0 rows when the ranks disagreed on the call: ERR_D holds its epoch)
     _rd, DONE_D, _rc, _dc, SLOT, _ed, _ec, _td, _tc = _ctrl_offsets(W)
     for q in tl.static_range(W):
         shd.wait_until(ctrl_ptr + DONE_D + q, shd.SHMEM_CMP_GE, epoch)
@@ -121,7 +170,8 @@ def _publish_total(ctrl_ptr, total_ptr, replay_total_ptr, epoch, W: tl.constexpr
         total = tl.load(replay_total_ptr)
     else:
         total = tl.atomic_xchg(ctrl_ptr + SLOT, 0, sem="acq_rel", scope="sys").to(tl.int32)
-    tl.store(total_ptr, total)
+    disagreed = tl.load(ctrl_ptr + 4 * W + 6, volatile=True) == epoch
+    tl.store(total_ptr, tl.where(disagreed, 0, total))
 
 
 @device_function
@@ -162,6 +212,7 @@ def _dispatch_variants() -> list[dict[str, Any]]:
         "replay_total_ptr": "*i32",
         "ctrl_ptr": "*i64",
         "ctx_ptr": "*i64",
+        "desc": "i64",
         "row_words": "i32",
         "recv_row_words": "i32",
         "sc_bytes": "i32",
@@ -232,6 +283,9 @@ def dispatch_kernel(
     # symmetric int64 control words, shmem context
     ctrl_ptr,
     ctx_ptr,
+    # this call's descriptor (dtype, hidden size, scales, weights, replay; packed on the host):
+    # every rank must pass the same one, or the call moves no row and ERR_D records it
+    desc,
     row_words,
     recv_row_words,
     sc_bytes,
@@ -256,11 +310,17 @@ def dispatch_kernel(
     pid = tl.program_id(0)
     me = shd.my_pe(ctx_ptr)
     epoch = tl.load(ctrl_ptr + EPOCH_D) + 1
+    _post_desc(ctrl_ptr, desc, epoch, ctx_ptr, W)
     _handshake(ctrl_ptr, READY_D, epoch, ctx_ptr, W)
+    # ranks that disagree on the call send nothing (every rank sees the same descriptors)
+    n_send = n_tok
+    if _peers_disagree(ctrl_ptr, desc, epoch, W):
+        tl.store(ctrl_ptr + 4 * W + 6, epoch)  # ERR_D: the host names the fields
+        n_send = 0
 
-    per = tl.cdiv(n_tok, tl.num_programs(0))
+    per = tl.cdiv(n_send, tl.num_programs(0))
     t_begin = pid * per
-    t_end = tl.minimum(t_begin + per, n_tok)
+    t_end = tl.minimum(t_begin + per, n_send)
     offs_t = tl.arange(0, BT)
     lanes = tl.arange(0, W_P2)
     n_experts = E_LOCAL * W
@@ -350,14 +410,17 @@ def dispatch_kernel(
                 tl.store(dst_row + cols[None, :], data, mask=ok[:, None] & cm[None, :])
             c += BLOCK
         t0 += BT
-    # tokens this rank does not have this call: no row anywhere (recv_slot is complete every call)
-    per_tail = tl.cdiv(M - n_tok, tl.num_programs(0))
-    t0 = n_tok + pid * per_tail
+    # tokens this rank does not send this call: no row anywhere (recv_slot is complete every call;
+    # dest_slot too, unless it is a routing handle's)
+    per_tail = tl.cdiv(M - n_send, tl.num_programs(0))
+    t0 = n_send + pid * per_tail
     t_end = tl.minimum(t0 + per_tail, M)
     while t0 < t_end:
         toks = t0 + cols0
         for p in tl.static_range(W):
             tl.store(shd.ptr_p2p(recv_slot_ptr, p, ctx_ptr) + me * M + toks, -1, mask=toks < t_end)
+            if not REPLAY:
+                tl.store(dest_slot_ptr + p * M + toks, -1, mask=toks < t_end)
         t0 += BLOCK
 
     last = _finish(ctrl_ptr, TICKET_D, EPOCH_D, DONE_D, epoch, ctx_ptr, W)
