@@ -1141,7 +1141,10 @@ class Buffer:
         num_worst_tokens: int,
         blocks: int,
         async_finish: bool,
+        weights: torch.Tensor | None = None,
     ) -> tuple[Any, ...]:
+        """The replay of ``handle``'s layout; ``weights`` (the V2 layer's cached dispatch) are sent
+        too and come back in place 2, masked to this rank's experts, else None as in DeepEP V1."""
         op = handle._op
         if data.shape[1] > op.config.hidden_dim or data.element_size() > op.config.max_token_type_size:
             raise bad_value(
@@ -1155,11 +1158,19 @@ class Buffer:
         rows = num_worst_tokens or handle.num_recv_rows
         if rows < total:
             raise bad_value(func, "num_worst_tokens", num_worst_tokens, f"0 or at least {total}")
-        op.dispatch(data, None, scales, handle._indices, block_num=blocks, routing=handle._routing)
+        op.dispatch(data, weights, scales, handle._indices, block_num=blocks, routing=handle._routing)
         out_x: Any = self._recv_rows(op._recv_tok, data.dtype, data.shape[1], total, rows)
         if scales is not None:
             out_x = (out_x, self._recv_rows(op._recv_scales, scales.dtype, scales.shape[1], total, rows))
-        return out_x, None, None, None, None, self._event_out(async_finish)
+        recv_w = None
+        if weights is not None:
+            e_local = op.config.num_experts_per_rank
+            glob = op._recv_idx[:total]
+            local = glob.to(torch.int64) - self.rank * e_local
+            mine = (glob >= 0) & (local >= 0) & (local < e_local)
+            recv_w = torch.zeros(rows, weights.shape[1], dtype=torch.float32, device=self.device)
+            recv_w[:total] = torch.where(mine, op._recv_w[:total], 0.0)
+        return out_x, None, recv_w, None, None, self._event_out(async_finish)
 
     def combine(
         self,
