@@ -91,9 +91,11 @@ class KernelPath:
         self.comb_w.zero_()
         op._symm.append(self.comb_w)
         #: fp8_blockwise combine: the fp32 block scales of the quantised rows, read by peers
-        self.quant = {"none": 0, "fp8_direct_cast": 1, "fp8_blockwise": 2}[op.config.quant_type]
+        self.quant = {"none": 0, "fp8_direct_cast": 1, "fp8_blockwise": 2, "fp4_blockwise": 3}[
+            op.config.quant_type
+        ]
         self.comb_scales = self.comb_w
-        if self.quant == 2:
+        if self.quant in (2, 3):
             self.comb_scales = shmem.mori_shmem_create_tensor((op._r, op._quant_scale_dim), torch.float32)
             self.comb_scales.zero_()
             op._symm.append(self.comb_scales)
@@ -453,7 +455,7 @@ class KernelPath:
             cinp_typed,
             cinp_typed.stride(0),
             self.comb_w,
-            op._comb_inp.view(torch.float8_e4m3fn),
+            op._comb_inp if self.quant == 3 else op._comb_inp.view(torch.float8_e4m3fn),
             op._comb_inp.stride(0),
             self.comb_scales,
             self.comb_scales.shape[1],
@@ -474,7 +476,7 @@ class KernelPath:
             DO_STAGE=bool(phases & kern.STAGE),
             DO_REDUCE=bool(phases & kern.REDUCE),
             QUANT=self.quant,
-            QB=op._quant_block if self.quant == 2 else 1,
+            QB=op._quant_block if self.quant in (2, 3) else 1,
             BT=tile.rows,
             BLOCK=tile.block,
             num_warps=warps,

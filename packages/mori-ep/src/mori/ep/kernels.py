@@ -486,6 +486,33 @@ def _round_e4m3(x):
     return tl.minimum(tl.maximum(r, -_FP8_MAX), _FP8_MAX)
 
 
+#: largest e2m1 magnitude: fp4 blockwise scales map a block's max |x| to it
+_E2M1_MAX = tl.constexpr(6.0)
+
+
+@device_function
+@triton.jit
+def _e2m1_code(x):
+    # fp32 -> e2m1 code (int32 0..15, sign in bit 3): round to nearest, ties to even, saturating at
+    # +-6; no hardware conversion (the same bits on every target, as mori.ep.fp4.encode): count the
+    # midpoints of the grid 0, .5, 1, 1.5, 2, 3, 4, 6 below |x| (a tie rounds to the even code)
+    a = tl.abs(x)
+    code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+    code += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+    code += (a > 5.0).to(tl.int32)
+    return tl.where((x < 0) & (code > 0), code | 8, code)
+
+
+@device_function
+@triton.jit
+def _e2m1_value(code):
+    # e2m1 code (int32 0..15) -> fp32: exponent 0 is subnormal (0 or 0.5), else 2^(e-1) * (1 + m/2)
+    e = (code >> 1) & 3
+    m = (code & 1).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.5, tl.exp2((e - 1).to(tl.float32)) * (1.0 + m * 0.5))
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
 #: what one launch of combine_kernel does (host-side flags): publish this rank's rows (STAGE),
 #: gather and sum every token's rows (REDUCE), or both (GPU: one launch)
 STAGE = 1
@@ -530,10 +557,12 @@ def _combine_variants() -> list[dict[str, Any]]:
         (2, 1, 1, "*fp32", 2, 0),
         (2, 0, 1, "*bf16", 3, 1),
         (8, 1, 1, "*bf16", 3, 2),
+        (2, 1, 1, "*bf16", 3, 3),
     ):
+        cq = "*u8" if quant == 3 else "*fp8e4nv"
         out.append(
             {
-                "signature": {**sig, "own_ptr": dt, "cinp_typed_ptr": dt, "out_ptr": dt},
+                "signature": {**sig, "own_ptr": dt, "cinp_typed_ptr": dt, "out_ptr": dt, "cq_ptr": cq},
                 "constexprs": {
                     "W": w,
                     "K": 8,
@@ -543,7 +572,7 @@ def _combine_variants() -> list[dict[str, Any]]:
                     "DO_STAGE": int(bool(phases & STAGE)),
                     "DO_REDUCE": int(bool(phases & REDUCE)),
                     "QUANT": quant,
-                    "QB": 128 if quant == 2 else 1,
+                    "QB": {2: 128, 3: 32}.get(quant, 1),
                     "BT": 4,
                     "BLOCK": 2048,
                 },
@@ -585,8 +614,9 @@ def combine_kernel(
     cinp_typed_ptr,
     cinp_row_elems,
     cw_ptr,
-    # wire quantisation (QUANT > 0): the registered buffer as fp8 e4m3fn rows of cq_row bytes, and
-    # fp32 block scales [R, n_scales] (symmetric; QUANT = 2)
+    # wire quantisation (QUANT > 0): the registered buffer as fp8 e4m3fn rows of cq_row bytes (as
+    # uint8 with packed fp4 for QUANT = 3), and fp32 block scales [R, n_scales] (symmetric; QUANT
+    # = 2 or 3)
     cq_ptr,
     cq_row,
     cs_ptr,
@@ -630,7 +660,10 @@ def combine_kernel(
     ``QUANT`` (bf16 input, copied): the rows peers read cross the wire as fp8 e4m3fn, saturating
     (1: ``fp8_direct_cast``), or with blocks of ``QB`` elements whose max ``|x|`` exceeds 448
     divided by ``max|x| / 448`` first, the fp32 scales stored beside the row (2:
-    ``fp8_blockwise``); the reader dequantises. Rows that stay on this rank are not quantised.
+    ``fp8_blockwise``), or as e2m1 packed two a byte (low nibble first), each block of ``QB``
+    divided by ``max|x| / 6`` (1 if all zero) with its fp32 scale (3: ``fp4_blockwise``, rounded
+    in software, :func:`_e2m1_code`); the reader dequantises. Rows that stay on this rank are not
+    quantised.
     """
     _rd, _dd, _rc, DONE_C, _s, _ed, EPOCH_C, _td, TICKET_C = _ctrl_offsets(W)
     pid = tl.program_id(0)
@@ -657,16 +690,26 @@ def combine_kernel(
                     m = cmask[:, None] & (cols < h)[None, :]
                     x = tl.load(own_ptr + rows64[:, None] * own_stride + cols[None, :], mask=m, other=0.0)
                     x = x.to(tl.float32)
-                    if QUANT == 2:
+                    if QUANT >= 2:  # blockwise: one fp32 scale per QB values
                         xb = tl.reshape(x, [BT, BLOCK // QB, QB])
                         amax = tl.max(tl.abs(xb), axis=2)
-                        sc = tl.where(amax > _FP8_MAX, amax / _FP8_MAX, 1.0)
+                        if QUANT == 2:
+                            sc = tl.where(amax > _FP8_MAX, amax / _FP8_MAX, 1.0)
+                        else:
+                            sc = tl.where(amax > 0, amax / _E2M1_MAX, 1.0)
                         x = tl.reshape(xb / sc[:, :, None], [BT, BLOCK])
                         bidx = c // QB + tl.arange(0, BLOCK // QB)
                         ms = cmask[:, None] & (bidx < n_scales)[None, :]
                         tl.store(cs_ptr + rows64[:, None] * n_scales + bidx[None, :], sc, mask=ms)
-                    q = _round_e4m3(x).to(cq_ptr.dtype.element_ty)
-                    tl.store(cq_ptr + rows64[:, None] * cq_row + cols[None, :], q, mask=m)
+                    if QUANT == 3:  # two e2m1 codes a byte: element 2i low, 2i + 1 high
+                        lo, hi = tl.split(tl.reshape(_e2m1_code(x), [BT, BLOCK // 2, 2]))
+                        pcols = c // 2 + tl.arange(0, BLOCK // 2)
+                        mp = cmask[:, None] & (pcols < h // 2)[None, :]
+                        byte = (lo | (hi << 4)).to(tl.uint8)
+                        tl.store(cq_ptr + rows64[:, None] * cq_row + pcols[None, :], byte, mask=mp)
+                    else:
+                        q = _round_e4m3(x).to(cq_ptr.dtype.element_ty)
+                        tl.store(cq_ptr + rows64[:, None] * cq_row + cols[None, :], q, mask=m)
                     c += BLOCK
             elif COPY:  # rows of other ranks only: this rank's own are read from the input
                 pos = tl.load(recv_src_ptr + rows, mask=rmask, other=0)
@@ -708,6 +751,16 @@ def combine_kernel(
                         m = ((slot >= 0) & (slot < n_inp_rows))[:, None] & cm[None, :]
                         v = tl.load(own_ptr + slot[:, None] * own_stride + cols[None, :], mask=m, other=0.0)
                         v = v.to(tl.float32)  # (every branch yields fp32: Triton wants one type)
+                    elif QUANT == 3:
+                        pcols = c // 2 + tl.arange(0, BLOCK // 2)
+                        mp = (slot >= 0)[:, None] & (pcols < h // 2)[None, :]
+                        src_q = shd.ptr_p2p(cq_ptr + slot * cq_row, p, ctx_ptr)
+                        byte = tl.load(src_q[:, None] + pcols[None, :], mask=mp, other=0).to(tl.int32)
+                        pair = tl.join(_e2m1_value(byte & 15), _e2m1_value(byte >> 4))
+                        v = tl.reshape(pair, [BT, BLOCK])
+                        mr = (slot >= 0)[:, None] & cm[None, :]
+                        src_s = shd.ptr_p2p(cs_ptr + slot * n_scales, p, ctx_ptr)
+                        v = v * tl.load(src_s[:, None] + (cols // QB)[None, :], mask=mr, other=0.0)
                     elif QUANT:
                         mr = (slot >= 0)[:, None] & cm[None, :]
                         src_q = shd.ptr_p2p(cq_ptr + slot * cq_row, p, ctx_ptr)

@@ -25,8 +25,10 @@ Combine wire quantisation (``config.quant_type``, bf16 combine input, not zero-c
 ``fp8_direct_cast`` each row is cast (saturating) to float8_e4m3fn before it is stored, so the
 staging buffer holds fp8; with ``fp8_blockwise`` each row is cut into ``MORI_FP8_COMBINE_SCALE_DIM``
 blocks (default 56, read when the op is built), a block whose max ``|x|`` exceeds 448 is divided by
-``max|x| / 448`` first, and the fp32 scales travel with the row. The source dequantises, sums in
-fp32 and casts once to bf16.
+``max|x| / 448`` first, and the fp32 scales travel with the row; with ``fp4_blockwise`` each
+block of 32 values is divided by ``max|x| / 6``, rounded to e2m1 in software (exact, the same bits
+on every target: :mod:`mori.ep.fp4`) and packed two a byte, with its fp32 scale. The source
+dequantises, sums in fp32 and casts once to bf16.
 
 Overwrite safety: each call starts by telling every peer "my buffers are free" (an epoch signal)
 and writes into a peer's buffers only after that peer said so for this call. A dispatch's outputs
@@ -53,7 +55,7 @@ from mori.core.errors import (
     bad_value,
     format_ranks,
 )
-from mori.ep import agreement, tuning
+from mori.ep import agreement, fp4, tuning
 from mori.ep.config import QUANT_TYPES, EpDispatchCombineConfig, EpDispatchCombineKernelType
 from mori.ep.kernel_path import KernelPath, kernels_requested
 
@@ -74,8 +76,19 @@ def _float8_types() -> tuple[torch.dtype, ...]:
     return tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz") if hasattr(torch, n))
 
 
-#: token dtypes dispatch accepts (bytes are moved unchanged)
-DISPATCH_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32, *_float8_types())
+def _float4_types() -> tuple[torch.dtype, ...]:
+    return (torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ()
+
+
+#: token dtypes dispatch accepts (bytes are moved unchanged; float4_e2m1fn_x2 packs two values a
+#: byte, so its hidden size counts bytes: half the values)
+DISPATCH_DTYPES: tuple[torch.dtype, ...] = (
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    *_float8_types(),
+    *_float4_types(),
+)
 #: token dtypes combine accepts (summed in fp32, cast once)
 COMBINE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -100,8 +113,8 @@ def _names(dtypes: Sequence[torch.dtype]) -> str:
     return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
 
 
-#: combine wire formats this runtime implements (``fp4_blockwise`` needs gfx950 fp4 support)
-COMBINE_QUANT_TYPES = ("none", "fp8_direct_cast", "fp8_blockwise")
+#: combine wire formats this runtime implements (fp4 in software, see mori.ep.fp4)
+COMBINE_QUANT_TYPES = ("none", "fp8_direct_cast", "fp8_blockwise", "fp4_blockwise")
 #: largest finite float8_e4m3fn value: the fp8 wire saturates there; blockwise scales map to it
 FP8_MAX = 448.0
 #: env var with the number of fp8_blockwise scales per row (read when an op is built)
@@ -289,6 +302,17 @@ class EpDispatchCombineOp:
         if config.quant_type == "fp8_blockwise":
             self._quant_scale_dim = _fp8_combine_scale_dim(func, config.hidden_dim)
             self._quant_block = config.hidden_dim // self._quant_scale_dim
+        elif config.quant_type == "fp4_blockwise":
+            if config.hidden_dim % fp4.FP4_BLOCK:
+                raise bad_value(
+                    func,
+                    "config.hidden_dim",
+                    config.hidden_dim,
+                    f"a multiple of {fp4.FP4_BLOCK} with quant_type='fp4_blockwise' (blocks of "
+                    f"{fp4.FP4_BLOCK} values, one fp32 scale each)",
+                )
+            self._quant_block = fp4.FP4_BLOCK
+            self._quant_scale_dim = config.hidden_dim // fp4.FP4_BLOCK
         if config.max_token_type_size not in (1, 2, 4):
             raise bad_value(func, "config.max_token_type_size", config.max_token_type_size, "1, 2 or 4")
 
@@ -309,8 +333,11 @@ class EpDispatchCombineOp:
         self._recv_idx = create((r, k), torch.int32)
         self._recv_src = create((r,), torch.int32)
         self._comb_inp = create((r, self._row_bytes), torch.uint8)  # registered combine input
-        # combine staging: the wire format, sized for the quant type (fp8: one byte per element)
-        stage_bytes = self._row_bytes if config.quant_type == "none" else config.hidden_dim
+        # combine staging: the wire format, sized for the quant type (fp8: one byte per element,
+        # fp4: half a byte)
+        stage_bytes = {"none": self._row_bytes, "fp4_blockwise": config.hidden_dim // 2}.get(
+            config.quant_type, config.hidden_dim
+        )
         self._stage_tok = create((w, m, stage_bytes), torch.uint8)
         self._stage_w = create((w, m, k), torch.float32)
         # control words: dispatch done [w], combine done [w], slot counters [2] (by parity),
@@ -327,7 +354,7 @@ class EpDispatchCombineOp:
             self._stage_w,
             self._ctrl,
         ]
-        self._stage_sc: torch.Tensor | None = None  # fp8_blockwise: fp32 block scales of the rows
+        self._stage_sc: torch.Tensor | None = None  # blockwise: fp32 block scales of the rows
         if self._quant_scale_dim:
             self._stage_sc = create((w, m, self._quant_scale_dim), torch.float32)
             self._symm.append(self._stage_sc)
@@ -362,7 +389,7 @@ class EpDispatchCombineOp:
             qb = self._quant_block
             if qb and (qb & (qb - 1) or qb > 2048):
                 raise MoriBackendError(
-                    f"{func}: quant_type='fp8_blockwise' with blocks of {qb} elements (hidden_dim / "
+                    f"{func}: quant_type={config.quant_type!r} with blocks of {qb} elements (hidden_dim / "
                     f"{SCALE_DIM_ENV}) is implemented on the host path only; the Triton kernels need a "
                     "power-of-two block of at most 2048 elements"
                 )
@@ -949,7 +976,14 @@ class EpDispatchCombineOp:
         if input.shape[0] < total:
             raise bad_value(func, "input.shape[0]", input.shape[0], f">= total_recv = {total}")
         if h > self.config.hidden_dim or h * input.element_size() > self._row_bytes:
-            raise bad_value(func, "input.shape[1]", h, f"at most hidden_dim = {self.config.hidden_dim}")
+            raise bad_value(
+                func,
+                "input.shape[1]",
+                h,
+                f"at most hidden_dim = {self.config.hidden_dim} with elements of at most "
+                f"max_token_type_size = {self.config.max_token_type_size} bytes ({input.dtype} has "
+                f"{input.element_size()})",
+            )
         if input.stride(1) != 1:
             raise bad_value(func, "input.stride()", input.stride(), "rows with contiguous elements")
         if not external and input.data_ptr() != self._comb_inp.data_ptr():
@@ -967,8 +1001,7 @@ class EpDispatchCombineOp:
                     func,
                     "input.shape[1]",
                     h,
-                    f"a multiple of the fp8_blockwise block of {self._quant_block} elements "
-                    f"(hidden_dim / {SCALE_DIM_ENV})",
+                    f"a multiple of the {quant} block of {self._quant_block} elements",
                 )
         if weights is not None:
             weights = self._tensor(func, "weights", weights, (torch.float32,), 2)
@@ -1001,9 +1034,9 @@ class EpDispatchCombineOp:
         scales: torch.Tensor | None = None
         if quant == "none":
             inp_b = input[:total].view(torch.uint8)
-        else:  # the wire holds fp8 (one byte per element), plus fp32 block scales for blockwise
+        else:  # the wire holds fp8 (one byte per element) or packed fp4, plus fp32 block scales
             inp_b, scales = self._quantise(input[:total])
-            nb = h
+            nb = h // 2 if quant == "fp4_blockwise" else h
         self._comb_epoch += 1
         row = 3 + self._comb_epoch % 2
         self._post_call_words(row, _combine_words(input, weights, external))
@@ -1044,6 +1077,8 @@ class EpDispatchCombineOp:
         """
         x = rows.float()
         scales = None
+        if self.config.quant_type == "fp4_blockwise":
+            return fp4.quantise(x, self._quant_block)
         if self._quant_block:
             n, h = x.shape
             blocks = x.view(n, h // self._quant_block, self._quant_block)
@@ -1078,7 +1113,7 @@ class EpDispatchCombineOp:
         out, out_w = pend["out"], pend["out_w"]
         n, h = handle.num_tokens, out.shape[1]
         quant = self.config.quant_type
-        nb = h * out.element_size() if quant == "none" else h
+        nb = {"none": h * out.element_size(), "fp4_blockwise": h // 2}.get(quant, h)
         acc = torch.zeros(n, h, dtype=torch.float32)
         acc_w = None if out_w is None else torch.zeros(n, self._k, dtype=torch.float32)
         for p in range(self.world_size):  # fixed order: the sum is deterministic
@@ -1087,6 +1122,12 @@ class EpDispatchCombineOp:
                 continue
             if quant == "none":
                 rows = _words(nb, self._stage_tok[p])[1][0][toks].view(out.dtype).float()
+            elif quant == "fp4_blockwise":
+                assert self._stage_sc is not None
+                packed = self._stage_tok[p, :, :nb][toks]
+                rows = fp4.dequantise(
+                    packed, self._stage_sc[p, :, : h // self._quant_block][toks], self._quant_block
+                )
             else:  # dequantise the fp8 wire rows (and their block scales) to fp32
                 rows = _words(nb, self._stage_tok[p])[1][0][toks].view(torch.float8_e4m3fn).float()
                 if self._stage_sc is not None:
