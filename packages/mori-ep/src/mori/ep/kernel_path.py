@@ -144,6 +144,8 @@ class KernelPath:
                 num_tokens=n_tok,
                 hidden_dim=cfg.hidden_dim,
                 zero_copy=zero_copy,
+                topk=cfg.num_experts_per_token,
+                quant_type=cfg.quant_type,
             )
         if block_num == -1:
             block_num = rule.block_num if rule else cfg.block_num
