@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import mori.shmem as shmem
-from mori.core.errors import MoriBackendError, MoriStateError
+from mori.core.errors import MoriBackendError, MoriStateError, MoriValueError
 from mori.ep import deepep
 from mori.ep.deepep import Buffer, Config, DispatchHandle, LowLatencyHandle
 from mori.testing import run_ranks, shmem_ranks
@@ -113,6 +113,15 @@ def _normal(rank: int, world: int) -> str:
         # cached dispatch through the same tuple
         again = buf.dispatch(_tokens(rank, n) * 2, handle=handle)
         assert torch.equal(again[0].float(), recv_x.float() * 2)
+    # ranks that disagree on a call (fp32 tokens on rank 0) fail by name on every rank, sending nothing
+    idx, wts = _routing(5, rank, world, 4)
+    lay = buf.get_dispatch_layout(idx, num_experts)
+    xx = _tokens(rank, 4).float() if rank == 0 else _tokens(rank, 4)
+    kw = dict(num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2], topk_idx=idx)
+    with pytest.raises(MoriValueError, match=r"x\.dtype: float32 on rank 0; bfloat16 on rank"):
+        buf.dispatch(xx, topk_weights=wts, **kw)
+    out = buf.dispatch(_tokens(rank, 4), topk_weights=wts, **kw)  # and the buffer still works
+    assert bool((out[0][:, 0].float() < world).all())
     # a tuple rebuilt from the items lacks the routing: refused by name
     with pytest.raises(TypeError, match=r"handle has type tuple.*rebuilt"):
         buf.combine(recv_x, tuple(handle))  # type: ignore[arg-type]

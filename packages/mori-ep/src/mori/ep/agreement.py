@@ -15,8 +15,13 @@ as a failed symmetric allocation. Two checks prevent that:
   size, scale bytes, whether weights are given, a routing replay) is written as a few words into
   every peer's table before the call's "ready" signal, and compared after it, before any data
   moves. On a mismatch every rank raises the same error and nothing was sent, so the operator
-  stays usable. The GPU kernels do the same with words in their control block (see
-  :mod:`mori.ep.kernels`).
+  stays usable. The dispatch kernel does the same with words in its control block (see
+  :mod:`mori.ep.kernels`): it then moves no row; the CPU runtime raises from ``dispatch``, a GPU
+  when the result is read (:meth:`~mori.ep.EpDispatchCombineOp.raise_if_ranks_disagreed`, which
+  synchronises). The combine kernels do not compare their calls yet (a combine's layout is its
+  dispatch's, which was compared; its dtype and hidden size are not). The DeepEP layer compares
+  each normal dispatch's dtype, hidden size, scales and top-k with the counts it all-gathers
+  anyway, on every runtime.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ import torch
 import mori.shmem as shmem
 from mori.core.env import EnvVar, parse_bool
 from mori.core.errors import MoriBackendError, MoriStateError, bad_type, bad_value
-from mori.ep import layout
+from mori.ep import agreement, layout
 from mori.ep.config import MAX_EXPERTS_PER_TOKEN, EpDispatchCombineConfig, EpDispatchCombineKernelType
 from mori.ep.op import IMPLS, EpDispatchCombineOp, EpDispatchRoutingHandle
 
@@ -148,6 +148,17 @@ _DISPATCH_X: tuple[torch.dtype, ...] = (
     torch.float16,
     torch.float32,
     *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz") if hasattr(torch, n)),
+)
+
+
+#: what every rank's normal dispatch must have alike (all-gathered with the counts)
+_NORMAL_FIELDS = (
+    agreement.Field("x.dtype", agreement.DISPATCH_FIELDS[0].show),
+    agreement.Field("x.shape[1] (hidden size)"),
+    agreement.Field("x[1].shape[1] (scales per token)"),
+    agreement.Field("x[1].dtype", agreement.DISPATCH_FIELDS[0].show),
+    agreement.Field("topk_idx", lambda v: "given" if v else "None"),
+    agreement.Field("top-k (topk_idx.shape[1], or the ranks without topk_idx)"),
 )
 
 
@@ -983,14 +994,29 @@ class Buffer:
         # every rank's token count, send counts and per-expert counts (one all-gather through the
         # symmetric heap; DeepEP also waits for the counts on the host): the operator's capacity,
         # the rank prefix matrix and where each row lands
+        # (the last words: what every rank's call must have alike, compared before anything moves)
+        words = [
+            agreement.dtype_code(data.dtype),
+            data.shape[1],
+            0 if scales is None else scales.shape[1],
+            agreement.dtype_code(None if scales is None else scales.dtype),
+            int(topk_idx is not None),
+            k,
+        ]
         row = torch.cat(
             [
                 torch.tensor([n], device=self.device),
                 num_tokens_per_rank.to(torch.int64),
                 num_tokens_per_expert.to(device=self.device, dtype=torch.int64),
+                torch.tensor(words, device=self.device),
             ]
         )
         table = self._allgather(row).cpu()
+        err = agreement.mismatch(
+            func, "each dispatch call's arguments", _NORMAL_FIELDS, table[:, -len(words) :], self.rank
+        )
+        if err is not None:
+            raise err
         m = _pow2_at_least(int(table[:, 0].max()))
         sent = table[:, 1 : 1 + w]  # [source, destination]
         prefix = torch.cumsum(sent, dim=0)
