@@ -537,8 +537,8 @@ class ElasticBuffer:
                 or None.
             bias: 0, 1 or 2 tensors [num_tokens, hidden] added to the result.
             num_sms: programs per rank (0: the dispatch's).
-            num_qps, previous_event, previous_event_before_epilogue, async_with_compute_stream,
-                allocate_on_comm_stream: as for :meth:`dispatch`.
+            num_qps, previous_event, previous_event_before_epilogue: as for :meth:`dispatch`.
+            async_with_compute_stream, allocate_on_comm_stream: as for :meth:`dispatch`.
 
         Returns:
             ``(combined_x [num_tokens, hidden], combined_topk_weights [num_tokens, num_topk] | None,
