@@ -352,8 +352,6 @@ def _errors(rank: int, world: int) -> str:
     for kt in (KT.InterNode, KT.InterNodeV1, KT.InterNodeV1LL):
         with pytest.raises(MoriBackendError, match="not available without a network transport"):
             EpDispatchCombineOp(_config(rank, world, kernel_type=kt))
-    with pytest.raises(MoriBackendError, match="quant_type"):
-        EpDispatchCombineOp(_config(rank, world, quant_type="fp4_blockwise"))
     with pytest.raises(MoriValueError, match=r"impl='cuda' .*'auto', 'host', 'triton'"):
         EpDispatchCombineOp(_config(rank, world), impl="cuda")
     op = EpDispatchCombineOp(_config(rank, world))

@@ -113,9 +113,14 @@ def mori_bench_suites() -> Sequence[BenchSuite]:
 
 @hookimpl
 def mori_env_vars() -> Sequence[EnvVar[Any]]:
-    from mori.ep import tuning
+    from mori.ep import deepep, tuning
 
-    return [tuning.MORI_EP_LAUNCH_CONFIG_MODE, tuning.MORI_EP_TUNING_CONFIG, tuning.MORI_EP_PUSH_CHUNK]
+    return [
+        tuning.MORI_EP_LAUNCH_CONFIG_MODE,
+        tuning.MORI_EP_TUNING_CONFIG,
+        tuning.MORI_EP_PUSH_CHUNK,
+        deepep.MORI_EP_DEEPEP_RECV_VIEWS,
+    ]
 
 
 def _int_list(text: str) -> list[int]:

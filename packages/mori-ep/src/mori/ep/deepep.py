@@ -1,60 +1,72 @@
 """DeepEP-compatible expert-parallel layer: ``Buffer``, ``Config``, ``EventOverlap`` (DeepEP V1 API).
 
-An engine written for DeepEP switches by changing its import::
+An engine written for DeepEP switches by changing its import, or without touching its code::
 
     from mori.ep.deepep import Buffer, Config, EventOverlap   # was: from deep_ep import ...
 
+    import mori.ep.deepep
+    mori.ep.deepep.install_as_deep_ep()   # from here on, `import deep_ep` is this module
+
 The names, parameters, defaults and return tuples follow DeepEP's V1 Python API
-(``deep_ep.Buffer``): normal mode (``get_dispatch_layout``, ``dispatch``, ``combine``) and
-low-latency mode (``low_latency_dispatch``, ``low_latency_combine``). The communication is done by
-MORI's :class:`~mori.ep.EpDispatchCombineOp` (kernel type ``IntraNode``, with routing handles);
-this layer validates, converts routing ids, reorders rows into DeepEP's layouts and keeps the
-handles. It uses only torch operations on the operator's outputs (no loops over tokens), on the
-device of the operator's tensors.
+(``deep_ep.Buffer``, module names ``topk_idx_t``, ``is_sm90_compiled``,
+``get_low_latency_rdma_size_hint``, ``__version__``): normal mode (``get_dispatch_layout``,
+``dispatch``, ``combine``) and low-latency mode (``low_latency_dispatch``,
+``low_latency_combine``, ``get_next_low_latency_combine_buffer``). The handles are DeepEP's
+tuples (:class:`DispatchHandle`, :class:`LowLatencyHandle` are tuple subclasses that also carry
+MORI's routing). The communication is done by MORI's :class:`~mori.ep.EpDispatchCombineOp`
+(kernel type ``IntraNode``); ``get_dispatch_layout`` is one Triton launch on GPUs
+(:mod:`mori.ep.layout`).
 
 Semantics, as in DeepEP:
 
 * normal ``dispatch`` returns the received rows grouped by source rank in rank order, and within a
-  source rank in ascending source-token order; ``recv_topk_idx`` holds local expert ids (``-1`` for
-  experts on other ranks, whose ``recv_topk_weights`` are 0); ``num_recv_tokens_per_expert_list``
-  counts received tokens per local expert, each rounded up to ``expert_alignment``; the handle
-  holds the rank prefix matrix (``rank_prefix_matrix[i, j]`` = tokens ranks ``0..i`` send to rank
-  ``j``); passing ``handle`` repeats the layout with a new payload (cached dispatch);
-  ``num_worst_tokens > 0`` pads the outputs to that many rows;
+  source rank in ascending source-token order: the operator places them there directly (the
+  layer computes each row's place from the all-gathered counts and has the operator replay that
+  layout, so nothing is reordered afterwards); ``recv_topk_idx`` holds local expert ids (``-1``
+  for experts on other ranks, whose ``recv_topk_weights`` are 0); ``num_recv_tokens_per_expert_list``
+  counts received tokens per local expert, each rounded up to ``expert_alignment``; the handle's
+  ``rank_prefix_matrix[i, j]`` = tokens ranks ``0..i`` send to rank ``j``; passing ``handle``
+  repeats the layout with a new payload (cached dispatch); ``num_worst_tokens > 0`` pads the
+  outputs to that many rows;
 * normal ``combine`` is an unweighted sum over the ranks a token went to (fp32, cast once), and sums
   ``topk_weights`` back the same way;
 * ``low_latency_dispatch`` packs expert-major, ``[num_local_experts, num_ranks *
   num_max_dispatch_tokens_per_rank, hidden]``, with ``recv_count`` per local expert, optionally in
   fp8 e4m3fn with one fp32 scale per 128 channels (``amax / 448``, DeepEP's rule, optionally rounded
-  to a power of two or packed as UE8M0); ``low_latency_combine`` returns, for each token, the sum of
-  its experts' outputs weighted by ``topk_weights``.
+  to a power of two or packed as UE8M0); ``handle[0][i]`` is the source token of each packed row of
+  local expert ``i``, ``handle[1][i]`` per source rank ``(begin << 32) | count``;
+  ``low_latency_combine`` returns, for each token, the sum of its experts' outputs weighted by
+  ``topk_weights``.
 
 Differences from DeepEP that remain (also in ``docs/ep_deepep.md``):
 
 * **Communication backend.** Buffers come from the ``mori.shmem`` symmetric heap
   (``MORI_SHMEM_HEAP_SIZE``), sized per call from the shapes; ``num_nvl_bytes``/``num_rdma_bytes``
-  are validated and kept but size nothing. If ``mori.shmem`` is not initialised, the constructor
-  initialises it over ``group`` (rank 0 of the group makes a unique id and broadcasts it over the
-  group; ``shmem_init_attr`` on every rank) and :meth:`Buffer.destroy` finalises it again; if it is
-  initialised already, its PEs must be the group's ranks. ``group=None`` uses the initialised
-  ``mori.shmem`` world (DeepEP needs a group or an MPI ``comm``).
+  are validated and kept but size nothing, and ``get_local_buffer_tensor`` raises. If
+  ``mori.shmem`` is not initialised, the constructor initialises it over ``group`` (rank 0 of the
+  group makes a unique id and broadcasts it over the group; ``shmem_init_attr`` on every rank) and
+  :meth:`Buffer.destroy` finalises it again; if it is initialised already, its PEs must be the
+  group's ranks. ``group=None`` uses the initialised ``mori.shmem`` world.
 * **One node only** (what the operator implements today): ``num_tokens_per_rdma_rank`` is always
-  None, there are no RDMA ranks.
-* **Host-blocking.** Every call returns with its results complete (the CPU runtime has no streams):
-  ``async_finish=True`` returns an event that is already complete, ``previous_event`` is waited
-  for first, ``allocate_on_comm_stream`` is validated only. ``Config`` and ``num_sms`` are
-  validated; ``Config.num_sms`` is passed to the operator as its block count. A normal dispatch
-  exchanges every rank's token count and send counts through the symmetric heap (one barrier): the
-  rank prefix matrix and the operator's capacity come from it (DeepEP also waits for the counts on
-  the host unless ``num_worst_tokens`` is given).
-* **The handles** are documented classes (:class:`DispatchHandle`, :class:`LowLatencyHandle`), not
-  tuples; DeepEP's channel prefix matrices and ``send_head`` do not exist (rows are not
-  split into channels).
+  None, there are no RDMA ranks; ``internode_dispatch``/``internode_combine`` raise.
+* **Host-blocking.** Every call returns with its results complete on the CPU runtime, and queued on
+  the current stream on a GPU (a normal dispatch waits on the host for the all-gathered counts,
+  as DeepEP does unless ``num_worst_tokens``): ``async_finish=True`` returns an event recorded
+  after the call, ``previous_event`` is waited for first, ``allocate_on_comm_stream`` is validated
+  only. ``Config.num_sms`` is passed to the operator as its block count and sets the handle's
+  channels.
+* **Received rows**: new tensors (DeepEP's contract), one local copy of the rows more than the
+  MORI API; ``MORI_EP_DEEPEP_RECV_VIEWS=1`` returns views of the operator's receive buffers
+  instead, two per shape used in turn, valid until the second dispatch after (as DeepEP's
+  low-latency results).
+* **Channel fields of the handle** (``channel_prefix_matrix``, ``recv_channel_prefix_matrix``,
+  ``send_head``) have DeepEP's shapes and the meanings documented at :class:`DispatchHandle`;
+  combine does not read them. A tuple rebuilt from a handle's items is refused (it lacks MORI's
+  routing): pass the handle object back.
 * **topk**: at most 9 experts per token (``MAX_EXPERTS_PER_TOKEN``); ``topk_idx`` int64 or int32
   (DeepEP: ``topk_idx_t``); a normal dispatch without ``topk_idx`` (by ``is_token_in_rank``
-  alone) needs at most 9 ranks; ``is_token_in_rank``, ``num_tokens_per_rank`` and
-  ``num_tokens_per_expert`` must be what :meth:`Buffer.get_dispatch_layout` returns for
-  ``topk_idx`` (checked).
+  alone) needs at most 9 ranks; on the CPU runtime ``is_token_in_rank``, ``num_tokens_per_rank``
+  and ``num_tokens_per_expert`` are checked against ``topk_idx`` (on GPUs that would synchronise).
 * **Undefined rows are defined**: rows past the valid ones (``num_worst_tokens`` padding, packed
   low-latency rows past ``recv_count``) are zeros, ``recv_topk_idx`` -1 as in DeepEP; the
   low-latency ``src_info`` past ``recv_count`` is -1.
@@ -71,35 +83,57 @@ Differences from DeepEP that remain (also in ``docs/ep_deepep.md``):
 * **return_recv_hook**: the transfer finishes inside the call; the hook unpacks the received rows
   into the returned tensors (``recv_count`` is zeros before) or writes ``combined_x``. Data are not
   valid before the hook is called, as in DeepEP.
-* ``get_local_buffer_tensor``, ``enable_shrink``, MNNVL/fabric and the V2 ``ElasticBuffer`` are not
-  provided; ``clean_low_latency_buffer`` is a validated no-op (MORI's buffers self-reset).
+* ``enable_shrink`` (and the ``low_latency_*_mask_buffer`` calls), MNNVL/fabric are not supported;
+  ``clean_low_latency_buffer`` is a validated no-op (MORI's buffers self-reset);
+  ``is_sm90_compiled()`` is True (every feature DeepEP gates on it exists here). DeepEP V2's
+  ``ElasticBuffer`` API is :mod:`mori.ep.elastic`.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import mori.shmem as shmem
-from mori.core.errors import MoriStateError, bad_type, bad_value
+from mori.core.env import EnvVar, parse_bool
+from mori.core.errors import MoriBackendError, MoriStateError, bad_type, bad_value
+from mori.ep import agreement, layout
 from mori.ep.config import MAX_EXPERTS_PER_TOKEN, EpDispatchCombineConfig, EpDispatchCombineKernelType
 from mori.ep.op import IMPLS, EpDispatchCombineOp, EpDispatchRoutingHandle
 
 __all__ = [
+    "MORI_EP_DEEPEP_RECV_VIEWS",
     "Buffer",
     "Config",
     "DispatchHandle",
     "EventHandle",
     "EventOverlap",
     "LowLatencyHandle",
+    "get_low_latency_rdma_size_hint",
+    "install_as_deep_ep",
+    "is_sm90_compiled",
     "topk_idx_t",
 ]
 
 #: dtype of ``topk_idx`` that DeepEP uses by default (int32 is accepted too)
 topk_idx_t = torch.int64
+
+MORI_EP_DEEPEP_RECV_VIEWS = EnvVar(
+    "MORI_EP_DEEPEP_RECV_VIEWS",
+    "0",
+    "mori.ep.deepep normal-mode dispatch: 1 returns recv_x (and its scales) as views of MORI's receive "
+    "buffers, two per shape used in turn, so a result stays valid until the second dispatch after it "
+    "(as DeepEP's low-latency results); 0 (default) returns new tensors like DeepEP, one local copy of "
+    "the received rows more.",
+    "1",
+    parse_bool,
+    "0 or 1",
+)
 #: channels per fp8 scale in low-latency mode (and DeepEP's per-token-group fp8 recipe)
 FP8_GROUP = 128
 #: largest finite float8_e4m3fn value
@@ -114,6 +148,17 @@ _DISPATCH_X: tuple[torch.dtype, ...] = (
     torch.float16,
     torch.float32,
     *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz") if hasattr(torch, n)),
+)
+
+
+#: what every rank's normal dispatch must have alike (all-gathered with the counts)
+_NORMAL_FIELDS = (
+    agreement.Field("x.dtype", agreement.DISPATCH_FIELDS[0].show),
+    agreement.Field("x.shape[1] (hidden size)"),
+    agreement.Field("x[1].shape[1] (scales per token)"),
+    agreement.Field("x[1].dtype", agreement.DISPATCH_FIELDS[0].show),
+    agreement.Field("topk_idx", lambda v: "given" if v else "None"),
+    agreement.Field("top-k (topk_idx.shape[1], or the ranks without topk_idx)"),
 )
 
 
@@ -275,79 +320,99 @@ def _table_config(func: str, table: dict[int, tuple[int, int, int, int]], num_ra
 # -- handles ---------------------------------------------------------------------------------------
 
 
-class DispatchHandle:
-    """Layout of one normal-mode dispatch: pass it to ``combine`` and to a cached ``dispatch``.
+class DispatchHandle(tuple):  # type: ignore[type-arg]
+    """DeepEP's normal-mode handle: the 6-tuple ``(rank_prefix_matrix, channel_prefix_matrix,
+    recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)``, plus MORI's routing.
 
-    Attributes:
-        rank_prefix_matrix: int32 [num_ranks, num_ranks]; ``[i, j]`` = tokens that ranks ``0..i``
-            send to rank ``j``. Rows from source rank ``s`` are received rows
-            ``rank_prefix_matrix[s - 1, rank] .. rank_prefix_matrix[s, rank]``.
-        recv_src_idx: int32 [num_recv_tokens]: index of each received row's token on its source rank.
-        is_token_in_rank: bool [num_tokens, num_ranks]: the sent layout.
-        num_recv_tokens: valid received rows.
-        num_recv_rows: rows of ``recv_x`` (``num_worst_tokens`` if that was given, else
-            ``num_recv_tokens``); ``combine``'s ``x`` has this many rows.
-        num_tokens: tokens this rank dispatched.
+    Code written for DeepEP indexes or unpacks it as a tuple; pass the object itself back to
+    ``combine`` and to a cached ``dispatch`` (a tuple rebuilt from its items is refused: it lacks
+    the routing). Fields (``C`` = channels = ``Config.num_sms // 2`` of the dispatch; a channel of
+    a rank is a contiguous ``ceil(num_tokens / C)`` of its tokens, as DeepEP splits them):
+
+    * ``rank_prefix_matrix`` int32 [num_ranks, num_ranks]: ``[i, j]`` = tokens ranks ``0..i``
+      send to rank ``j``; rows from source ``s`` are received rows
+      ``rank_prefix_matrix[s - 1, rank] .. rank_prefix_matrix[s, rank]``;
+    * ``channel_prefix_matrix`` int32 [num_ranks, C] (sender side): ``[r, c]`` = this rank's
+      tokens of channels ``0..c`` sent to rank ``r``;
+    * ``recv_channel_prefix_matrix`` int32 [num_ranks, C] (receiver side): ``[s, c]`` = the first
+      received row holding channel ``c`` of rank ``s``;
+    * ``recv_src_idx`` int32 [num_recv_tokens]: each received row's token index on its source;
+    * ``is_token_in_rank`` bool [num_tokens, num_ranks]: the sent layout;
+    * ``send_head`` int32 [num_tokens, num_ranks]: ``[t, r]`` = the position of token ``t`` among
+      the rows rank ``r`` receives from this rank, ``-1`` if not sent.
+
+    The channel matrices and ``send_head`` are DeepEP-internal (ring-buffer positions there);
+    here they have the documented shapes and the meanings above, and combine does not read them.
+
+    Attributes besides the tuple: ``num_recv_tokens``, ``num_recv_rows`` (``num_worst_tokens`` if
+    that was given), ``num_tokens`` (tokens this rank dispatched), ``has_topk``.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
+        items: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        *,
         buffer: Buffer,
         op: EpDispatchCombineOp,
         routing: EpDispatchRoutingHandle,
         indices: torch.Tensor,
-        perm: torch.Tensor,
-        rank_prefix_matrix: torch.Tensor,
-        recv_src_idx: torch.Tensor,
-        is_token_in_rank: torch.Tensor,
         num_recv_rows: int,
-    ) -> None:
-        self.rank_prefix_matrix = rank_prefix_matrix
-        self.recv_src_idx = recv_src_idx
-        self.is_token_in_rank = is_token_in_rank
-        self.num_recv_tokens = int(perm.numel())
+        has_topk: bool,
+    ) -> DispatchHandle:
+        self = super().__new__(cls, items)
+        self.num_recv_tokens = int(items[3].shape[0])
         self.num_recv_rows = int(num_recv_rows)
-        self.num_tokens = int(indices.shape[0])
-        #: whether the dispatch had topk_idx / topk_weights
-        self.has_topk = True
+        self.num_tokens = int(items[4].shape[0])
+        self.has_topk = has_topk
         self._buffer, self._op, self._routing, self._indices = buffer, op, routing, indices
-        self._perm = perm  # recv row i <- operator row perm[i]
-        self._inv = torch.argsort(perm)  # operator row r <- recv row inv[r]
+        return self
+
+    rank_prefix_matrix = property(lambda self: self[0], doc="int32 [num_ranks, num_ranks]")
+    channel_prefix_matrix = property(lambda self: self[1], doc="int32 [num_ranks, channels]")
+    recv_channel_prefix_matrix = property(lambda self: self[2], doc="int32 [num_ranks, channels]")
+    recv_src_idx = property(lambda self: self[3], doc="int32 [num_recv_tokens]")
+    is_token_in_rank = property(lambda self: self[4], doc="bool [num_tokens, num_ranks]")
+    send_head = property(lambda self: self[5], doc="int32 [num_tokens, num_ranks]")
 
     def __repr__(self) -> str:
         return f"DispatchHandle(num_tokens={self.num_tokens}, num_recv_tokens={self.num_recv_tokens})"
 
 
-class LowLatencyHandle:
-    """Source information of one ``low_latency_dispatch``: pass it to ``low_latency_combine``.
+class LowLatencyHandle(tuple):  # type: ignore[type-arg]
+    """DeepEP's low-latency handle: the 5-tuple ``(packed_recv_src_info, packed_recv_layout_range,
+    num_max_dispatch_tokens_per_rank, hidden, num_experts)``; pass the object itself to
+    ``low_latency_combine`` and ``get_next_low_latency_combine_buffer``.
 
-    Attributes:
-        packed_recv_src_info: int32 [num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank]:
-            index of each packed row's token on its source rank (-1 past ``recv_count``).
-        packed_recv_layout_range: int64 [num_local_experts, num_ranks]: ``(begin << 32) | count``,
-            the packed rows of each local expert that came from each source rank.
-        num_max_dispatch_tokens_per_rank, hidden, num_experts: the dispatch's sizes.
+    * ``handle[0][i]`` (``packed_recv_src_info``) int32 [num_ranks * num_max_dispatch_tokens_per_rank]:
+      for each packed row of local expert ``i``, the index of its token on its source rank (-1
+      past ``recv_count[i]``);
+    * ``handle[1][i]`` (``packed_recv_layout_range``) int64 [num_ranks]: per source rank,
+      ``(begin << 32) | count``, the packed rows of local expert ``i`` that came from it.
+
+    With ``return_recv_hook=True`` both are filled when the hook is called (``received`` tells).
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
+        items: tuple[torch.Tensor, torch.Tensor, int, int, int],
+        *,
         buffer: Buffer,
         op: EpDispatchCombineOp,
         routing: EpDispatchRoutingHandle,
         indices: torch.Tensor,
-        num_max_dispatch_tokens_per_rank: int,
-        hidden: int,
-        num_experts: int,
-    ) -> None:
-        self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
-        self.hidden = hidden
-        self.num_experts = num_experts
-        self.packed_recv_src_info: torch.Tensor | None = None  # set when the receive completes
-        self.packed_recv_layout_range: torch.Tensor | None = None
+    ) -> LowLatencyHandle:
+        self = super().__new__(cls, items)
         self._buffer, self._op, self._routing, self._indices = buffer, op, routing, indices
         # per (received row, top-k slot) pair, sorted by (local expert, source): operator row,
-        # top-k slot, local expert, packed row
+        # top-k slot, local expert, packed row (set when the receive completes)
         self._pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        return self
+
+    packed_recv_src_info = property(lambda self: self[0], doc="int32 [num_local_experts, num_ranks * max]")
+    packed_recv_layout_range = property(lambda self: self[1], doc="int64 [num_local_experts, num_ranks]")
+    num_max_dispatch_tokens_per_rank = property(lambda self: self[2], doc="the dispatch's maximum")
+    hidden = property(lambda self: self[3], doc="hidden size of the dispatch")
+    num_experts = property(lambda self: self[4], doc="experts over all ranks")
 
     @property
     def received(self) -> bool:
@@ -356,8 +421,8 @@ class LowLatencyHandle:
 
     def __repr__(self) -> str:
         return (
-            f"LowLatencyHandle(num_max_dispatch_tokens_per_rank={self.num_max_dispatch_tokens_per_rank}, "
-            f"hidden={self.hidden}, num_experts={self.num_experts}, received={self.received})"
+            f"LowLatencyHandle(num_max_dispatch_tokens_per_rank={self[2]}, hidden={self[3]}, "
+            f"num_experts={self[4]}, received={self.received})"
         )
 
 
@@ -376,6 +441,12 @@ def _tensor(
     if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape, strict=True)):
         raise bad_value(func, f"{name}.shape", list(t.shape), want)
     return t
+
+
+def _wait_stats(func: str, name: str, t: Any, world: int) -> None:
+    """int64 [num_ranks] (DeepEP until 2025) or [num_ranks, num_ranks] (since)."""
+    shape = (world,) if isinstance(t, torch.Tensor) and t.dim() == 1 else (world, world)
+    _tensor(func, name, t, (torch.int64,), shape)
 
 
 def _bool(func: str, name: str, value: Any) -> bool:
@@ -407,6 +478,12 @@ def _ue8m0_pack(scale_inv: torch.Tensor) -> torch.Tensor:
 
 def _pow2_at_least(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def _send_head(in_rank: torch.Tensor) -> torch.Tensor:
+    """int32 [N, W]: position of token t among the rows rank r receives from this rank, -1 if none."""
+    pos = torch.cumsum(in_rank.to(torch.int32), dim=0, dtype=torch.int32) - 1
+    return torch.where(in_rank, pos, -1)
 
 
 # -- the buffer ------------------------------------------------------------------------------------
@@ -473,6 +550,7 @@ class Buffer:
         _bool(func, "allow_mnnvl", allow_mnnvl)
         _bool(func, "use_fabric", use_fabric)
         self.explicitly_destroy = _bool(func, "explicitly_destroy", explicitly_destroy)
+        self.enable_shrink = False
         if impl not in IMPLS:
             raise bad_value(func, "impl", impl, f"one of {', '.join(repr(i) for i in IMPLS)}")
         self._impl = impl
@@ -507,6 +585,10 @@ class Buffer:
         self._tables: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[int]]] = {}
         self.device = self._table(1)[0].device
         self._ops: dict[tuple[Any, ...], EpDispatchCombineOp] = {}
+        #: normal dispatch returns views of the receive buffers (two per shape, alternating)
+        self._recv_views = bool(MORI_EP_DEEPEP_RECV_VIEWS.get())
+        self._slots: dict[tuple[Any, ...], int] = {}
+        self._layout_impl = "triton" if impl == "triton" else "auto"
         self._combine_bufs: dict[tuple[int, ...], torch.Tensor] = {}
         self._destroyed = False
         shmem.shmem_barrier_all()
@@ -664,9 +746,20 @@ class Buffer:
         return table[par].clone()
 
     def _op(
-        self, kind: str, m: int, hidden: int, elem_bytes: int, e_local: int, k: int, scale_dim: int
+        self,
+        kind: str,
+        m: int,
+        hidden: int,
+        elem_bytes: int,
+        e_local: int,
+        k: int,
+        scale_dim: int,
+        slot: int = 0,
     ) -> EpDispatchCombineOp:
-        key = (kind, hidden, elem_bytes, e_local, k, scale_dim)
+        """The operator for one shape (built on first use: collective, every rank reaches here with
+        the same key), with room for ``m`` tokens per rank. ``slot`` picks one of several operators
+        of the same shape (normal mode with receive views alternates two)."""
+        key = (kind, hidden, elem_bytes, e_local, k, scale_dim, slot)
         op = self._ops.get(key)
         if op is None or op.config.max_num_inp_token_per_rank < m:
             cfg = EpDispatchCombineConfig(
@@ -682,9 +775,7 @@ class Buffer:
                 num_experts_per_token=k,
                 kernel_type=EpDispatchCombineKernelType.IntraNode,
             )
-            op = EpDispatchCombineOp(
-                cfg, impl=self._impl
-            )  # collective: every rank reaches here with the same key
+            op = EpDispatchCombineOp(cfg, impl=self._impl)
             self._ops[key] = op
         return op
 
@@ -696,7 +787,9 @@ class Buffer:
             )
         if t.device != self.device:
             raise bad_value(func, "topk_idx.device", t.device, f"{self.device} (the buffer's)")
-        if t.numel() and bool(((t < -1) | (t >= num_experts)).any()):
+        # ids are checked where that costs no device synchronisation (the kernels treat ids out
+        # of range as -1)
+        if t.device.type == "cpu" and t.numel() and bool(((t < -1) | (t >= num_experts)).any()):
             bad = int(t[(t < -1) | (t >= num_experts)][0])
             raise bad_value(func, "topk_idx", f"contains {bad}", f"expert ids in [0, {num_experts}) or -1")
         return t
@@ -709,17 +802,7 @@ class Buffer:
 
     def _layout(self, topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
         """(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank bool [N, R])."""
-        w, e_local = self.group_size, num_experts // self.group_size
-        n = topk_idx.shape[0]
-        valid = topk_idx >= 0
-        experts = topk_idx[valid].long()
-        per_expert = torch.bincount(experts, minlength=num_experts).to(torch.int32)
-        ranks = torch.where(valid, topk_idx // e_local, w).long()
-        in_rank = torch.zeros(n, w + 1, dtype=torch.bool, device=topk_idx.device)
-        in_rank.scatter_(1, ranks, True)
-        in_rank = in_rank[:, :w].contiguous()
-        per_rank = in_rank.sum(0, dtype=torch.int32)
-        return per_rank, per_expert, in_rank
+        return layout.dispatch_layout(topk_idx, num_experts, self.group_size, self._layout_impl)
 
     # -- normal mode --------------------------------------------------------------------------
 
@@ -731,7 +814,8 @@ class Buffer:
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, EventOverlap]:
-        """Count what a dispatch of ``topk_idx`` sends. Local (not collective).
+        """Count what a dispatch of ``topk_idx`` sends. Local (not collective); on a GPU one
+        Triton launch (:mod:`mori.ep.layout`) and no host synchronisation.
 
         Args:
             topk_idx: [num_tokens, num_topk] int64 (or int32) global expert ids; ``-1`` means no
@@ -800,7 +884,8 @@ class Buffer:
                 as in DeepEP).
             num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert:
                 from :meth:`get_dispatch_layout` for ``topk_idx`` (``num_tokens_per_rdma_rank``
-                must be None: one node). Required unless ``handle`` is given.
+                must be None: one node). Required unless ``handle`` is given. On the CPU runtime
+                they are checked against ``topk_idx``.
             topk_idx: [num_tokens, num_topk] int64/int32 global expert ids, ``-1`` = none; or None
                 (with ``topk_weights`` None) to send by ``is_token_in_rank`` alone (at most 9
                 ranks): ``recv_topk_idx`` and ``recv_topk_weights`` are then None.
@@ -808,7 +893,8 @@ class Buffer:
             expert_alignment: round each entry of ``num_recv_tokens_per_expert_list`` up to this.
             num_worst_tokens: if > 0, pad the outputs to this many rows (it must be at least the
                 received count) and return an empty ``num_recv_tokens_per_expert_list``.
-            config: a :class:`Config` (``num_sms`` becomes the operator's block count) or None.
+            config: a :class:`Config` (``num_sms`` becomes the operator's block count and sets the
+                handle's channels) or None (:meth:`get_dispatch_config`).
             previous_event, async_finish, allocate_on_comm_stream: see the module docstring.
 
         Returns:
@@ -818,8 +904,10 @@ class Buffer:
             num_topk] local expert ids (-1 for other ranks' experts and padding rows);
             ``recv_topk_weights`` [rows, num_topk] float32 (0 where ``recv_topk_idx`` is -1);
             the list: received tokens per local expert (python ints; the sum over ranks of
-            ``num_tokens_per_expert`` for this rank's experts, as DeepEP). A cached dispatch returns
-            ``(recv_x, None, None, None, None, event)``.
+            ``num_tokens_per_expert`` for this rank's experts, as DeepEP); ``handle`` a
+            :class:`DispatchHandle` (DeepEP's 6-tuple). A cached dispatch returns
+            ``(recv_x, None, None, None, None, event)``. ``recv_x`` is a new tensor, or with
+            ``MORI_EP_DEEPEP_RECV_VIEWS=1`` a view valid until the second dispatch after this one.
         """
         func = "Buffer.dispatch"
         self._live(func)
@@ -830,8 +918,7 @@ class Buffer:
         if num_tokens_per_rdma_rank is not None:
             raise bad_value(func, "num_tokens_per_rdma_rank", "a tensor", "None (one node, no RDMA ranks)")
         if handle is not None:
-            if not isinstance(handle, DispatchHandle) or handle._buffer is not self:
-                raise bad_type(func, "handle", handle, "a DispatchHandle from this buffer's dispatch")
+            self._check_handle(func, handle)
             for name, v in (
                 ("num_tokens_per_rank", num_tokens_per_rank),
                 ("is_token_in_rank", is_token_in_rank),
@@ -870,16 +957,19 @@ class Buffer:
         is_token_in_rank = _tensor(func, "is_token_in_rank", is_token_in_rank, (torch.bool,), (n, w))
         if is_token_in_rank.device != self.device:
             raise bad_value(func, "is_token_in_rank.device", is_token_in_rank.device, f"{self.device}")
+        checks: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        on_cpu = self.device.type == "cpu"  # (checks that cost no device synchronisation)
         if topk_idx is not None:
             topk_idx = self._check_topk_idx(func, topk_idx, num_experts, n)
             k = topk_idx.shape[1]
             topk_weights = _tensor(func, "topk_weights", topk_weights, (torch.float32,), (n, k))
-            per_rank, per_expert, in_rank = self._layout(topk_idx, num_experts)
-            checks = [
-                ("is_token_in_rank", is_token_in_rank, in_rank),
-                ("num_tokens_per_rank", num_tokens_per_rank, per_rank),
-                ("num_tokens_per_expert", num_tokens_per_expert, per_expert),
-            ]
+            if on_cpu:
+                per_rank, per_expert, in_rank = self._layout(topk_idx, num_experts)
+                checks = [
+                    ("is_token_in_rank", is_token_in_rank, in_rank),
+                    ("num_tokens_per_rank", num_tokens_per_rank, per_rank),
+                    ("num_tokens_per_expert", num_tokens_per_expert, per_expert),
+                ]
             idx32 = topk_idx.to(torch.int32)
         else:
             # no top-k: route by is_token_in_rank alone, one pseudo expert id per destination rank
@@ -887,11 +977,13 @@ class Buffer:
                 raise bad_value(
                     func, "topk_idx", None, f"a tensor with more than {MAX_EXPERTS_PER_TOKEN} ranks"
                 )
-            k, in_rank = w, is_token_in_rank
-            per_rank = in_rank.sum(0, dtype=torch.int32)
-            checks = [("num_tokens_per_rank", num_tokens_per_rank, per_rank)]
+            k = w
+            if on_cpu:
+                checks = [
+                    ("num_tokens_per_rank", num_tokens_per_rank, is_token_in_rank.sum(0, dtype=torch.int32))
+                ]
             first = (torch.arange(w, device=self.device, dtype=torch.int32) * e_local).expand(n, w)
-            idx32 = torch.where(in_rank, first, -1).contiguous()
+            idx32 = torch.where(is_token_in_rank, first, -1).contiguous()
         for name, got, want in checks:
             if not torch.equal(got, want):
                 raise bad_value(
@@ -899,64 +991,172 @@ class Buffer:
                 )
         self._events_in(func, previous_event, async_finish, allocate_on_comm_stream)
 
-        # every rank's token count, send counts and per-expert counts: the operator's capacity, the
-        # prefix matrix and the per-expert receive counts (as DeepEP sums num_tokens_per_expert)
+        # every rank's token count, send counts and per-expert counts (one all-gather through the
+        # symmetric heap; DeepEP also waits for the counts on the host): the operator's capacity,
+        # the rank prefix matrix and where each row lands
+        # (the last words: what every rank's call must have alike, compared before anything moves)
+        words = [
+            agreement.dtype_code(data.dtype),
+            data.shape[1],
+            0 if scales is None else scales.shape[1],
+            agreement.dtype_code(None if scales is None else scales.dtype),
+            int(topk_idx is not None),
+            k,
+        ]
         row = torch.cat(
             [
                 torch.tensor([n], device=self.device),
-                per_rank.to(torch.int64),
+                num_tokens_per_rank.to(torch.int64),
                 num_tokens_per_expert.to(device=self.device, dtype=torch.int64),
+                torch.tensor(words, device=self.device),
             ]
         )
-        table = self._allgather(row)
+        table = self._allgather(row).cpu()
+        err = agreement.mismatch(
+            func, "each dispatch call's arguments", _NORMAL_FIELDS, table[:, -len(words) :], self.rank
+        )
+        if err is not None:
+            raise err
         m = _pow2_at_least(int(table[:, 0].max()))
-        hidden, elem = data.shape[1], max(data.element_size(), 2)
-        op = self._op("normal", m, hidden, elem, e_local, k, math.ceil(hidden / FP8_GROUP))
-        outs = op.dispatch(data, topk_weights, scales, idx32, block_num=blocks, return_routing=True)
-        routing: EpDispatchRoutingHandle = outs[5]
-        total = routing.num_recv
-        prefix = torch.cumsum(table[:, 1 : 1 + w], dim=0).to(torch.int32)
-        if int(prefix[-1, self.rank]) != total:
-            raise MoriStateError(
-                f"{func}: rank {self.rank} received {total} rows but the ranks announced "
-                f"{int(prefix[-1, self.rank])}"
-            )
-        pos = routing.recv_src_pos[:total].to(device=self.device, dtype=torch.int64)
-        perm = torch.argsort(pos)  # flat positions sort by (source rank, source token)
-        _, src_tok = op.decode_send_flat_idx(pos[perm])
+        sent = table[:, 1 : 1 + w]  # [source, destination]
+        prefix = torch.cumsum(sent, dim=0)
+        total = int(prefix[-1, self.rank])
         rows = num_worst_tokens or total
         if num_worst_tokens and total > num_worst_tokens:
             raise bad_value(
                 func, "num_worst_tokens", num_worst_tokens, f"at least the {total} rows this rank receives"
             )
-        recv_x = self._gather_rows(outs[0], perm, rows)
-        recv_scales = None if scales is None else self._gather_rows(outs[2], perm, rows)
+        hidden, elem = data.shape[1], max(data.element_size(), 2)
+        slot = self._next_slot(("normal", hidden, elem, e_local, k))
+        op = self._op("normal", m, hidden, elem, e_local, k, math.ceil(hidden / FP8_GROUP), slot)
+        # rows land where DeepEP puts them: source rank by source rank, each source's by token, so
+        # the operator replays a layout made here instead of reserving slots (no reordering after)
+        routing = self._placement(op, is_token_in_rank, prefix - sent, total)
+        op.dispatch(data, topk_weights, scales, idx32, block_num=blocks, routing=routing)
+        self._snapshot(op, routing)
+
+        num_channels = (config or self.get_dispatch_config(w)).num_sms // 2
+        recv_src_idx = (routing.recv_src_pos.to(torch.int64) % op.max_num_tokens_to_send()).to(torch.int32)
+        items = (
+            prefix.to(device=self.device, dtype=torch.int32),
+            *self._channel_matrices(
+                is_token_in_rank, recv_src_idx, table[:, 0], sent[:, self.rank], num_channels
+            ),
+            recv_src_idx,
+            is_token_in_rank,
+            _send_head(is_token_in_rank),
+        )
+        h = DispatchHandle(
+            items,
+            buffer=self,
+            op=op,
+            routing=routing,
+            indices=idx32,
+            num_recv_rows=rows,
+            has_topk=topk_idx is not None,
+        )
+        recv_x = self._recv_rows(op._recv_tok, data.dtype, data.shape[1], total, rows)
+        recv_scales = None
+        if scales is not None:
+            recv_scales = self._recv_rows(op._recv_scales, scales.dtype, scales.shape[1], total, rows)
         recv_idx: torch.Tensor | None = None
         recv_w: torch.Tensor | None = None
         if topk_idx is not None:
-            glob = outs[3][:total].index_select(0, perm.to(outs[3].device)).to(self.device)
+            glob = op._recv_idx[:total]
             local = glob.to(torch.int64) - self.rank * e_local
             mine = (glob >= 0) & (local >= 0) & (local < e_local)
             recv_idx = torch.full((rows, k), -1, dtype=topk_idx.dtype, device=self.device)
             recv_idx[:total] = torch.where(mine, local, -1).to(topk_idx.dtype)
             recv_w = torch.zeros(rows, k, dtype=torch.float32, device=self.device)
-            wts = outs[1][:total].index_select(0, perm.to(outs[1].device)).to(self.device)
-            recv_w[:total] = torch.where(mine, wts, torch.zeros_like(wts))
+            recv_w[:total] = torch.where(mine, op._recv_w[:total], 0.0)
         base = 1 + w + self.rank * e_local
         per_local = table[:, base : base + e_local].sum(0)
         aligned = (per_local + expert_alignment - 1) // expert_alignment * expert_alignment
         counts: list[int] = [] if num_worst_tokens else [int(c) for c in aligned.tolist()]
-        h = DispatchHandle(self, op, routing, idx32, perm, prefix, src_tok.to(torch.int32), in_rank, rows)
-        h.has_topk = topk_idx is not None
         out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
         return out_x, recv_idx, recv_w, counts, h, self._event_out(async_finish)
 
-    def _gather_rows(self, buf: torch.Tensor, perm: torch.Tensor, rows: int) -> torch.Tensor:
-        """Rows ``perm`` of an operator output, in that order, padded with zeros to ``rows``."""
-        total = perm.numel()
-        out = torch.zeros(rows, *buf.shape[1:], dtype=buf.dtype, device=self.device)
-        out[:total] = buf[:total].index_select(0, perm.to(buf.device)).to(self.device)
+    def _next_slot(self, key: tuple[Any, ...]) -> int:
+        """Which of the two operators of a shape the next normal dispatch uses: always 0, or
+        alternating with receive views (so a view stays valid until the second dispatch after)."""
+        if not self._recv_views:
+            return 0
+        slot = self._slots.get(key, 1) ^ 1
+        self._slots[key] = slot
+        return slot
+
+    def _placement(
+        self, op: EpDispatchCombineOp, in_rank: torch.Tensor, base: torch.Tensor, total: int
+    ) -> EpDispatchRoutingHandle:
+        """A routing handle placing this rank's token ``t`` on rank ``p`` at row ``base[rank, p] +
+        (index of t among this rank's tokens sent to p)``: DeepEP's order, from the counts alone."""
+        n = in_rank.shape[0]
+        w, m = self.group_size, op.max_num_tokens_to_send_per_rank()
+        offs = base[self.rank].to(device=self.device, dtype=torch.int32)
+        sent = in_rank.to(torch.int32)
+        within = torch.cumsum(sent, dim=0, dtype=torch.int32) - 1
+        dest = torch.full((w, m), -1, dtype=torch.int32, device=self.device)
+        dest[:, :n] = torch.where(in_rank, within + offs[None, :], -1).t()
+        total_t = torch.tensor([total], dtype=torch.int32, device=self.device)
+        return EpDispatchRoutingHandle(dest, total_t, op._recv_src[:total], n)
+
+    def _snapshot(self, op: EpDispatchCombineOp, routing: EpDispatchRoutingHandle) -> None:
+        """Keep what combine needs of this dispatch after the operator's tables are overwritten:
+        the received rows' source positions and, on the kernels, the receiver's slot table."""
+        routing.recv_src_pos = routing.recv_src_pos.clone()
+        if op._kern is not None:
+            routing.recv_slot = op._kern.recv_slot.clone()
+
+    def _channel_matrices(
+        self,
+        in_rank: torch.Tensor,
+        recv_src_idx: torch.Tensor,
+        num_tokens: torch.Tensor,
+        recv_counts: torch.Tensor,
+        channels: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(channel_prefix_matrix, recv_channel_prefix_matrix), see :class:`DispatchHandle`."""
+        w, n, dev = self.group_size, in_rank.shape[0], self.device
+        per = max(1, -(-n // channels))
+        ch = torch.arange(n, device=dev) // per
+        send = torch.zeros(w, channels, dtype=torch.int32, device=dev)
+        send.index_add_(1, ch, in_rank.t().to(torch.int32))
+        # the received rows of source s are its tokens in order; their channel on s
+        src_rank = torch.repeat_interleave(torch.arange(w), recv_counts).to(dev)
+        per_src = torch.clamp(-(-num_tokens // channels), min=1).to(dev)
+        rch = recv_src_idx.to(torch.int64) // per_src[src_rank]
+        cnt = torch.zeros(w * channels, dtype=torch.int64, device=dev)
+        cnt.index_add_(0, src_rank * channels + rch, torch.ones_like(rch))
+        cnt = cnt.view(w, channels)
+        seg = (torch.cumsum(recv_counts, 0) - recv_counts).to(dev)
+        start = seg[:, None] + torch.cumsum(cnt, 1) - cnt
+        return torch.cumsum(send, 1, dtype=torch.int32), start.to(torch.int32)
+
+    def _recv_rows(
+        self, buf: torch.Tensor, dtype: torch.dtype, width: int, total: int, rows: int
+    ) -> torch.Tensor:
+        """The first ``total`` received rows of an operator buffer as ``dtype`` [rows, width]: a new
+        tensor (zero padding past ``total``), or with receive views the buffer itself."""
+        typed = buf[:, : width * dtype.itemsize].view(dtype)
+        if self._recv_views and rows <= typed.shape[0]:
+            if rows > total:
+                typed[total:rows].zero_()
+            return typed[:rows]
+        out = torch.empty(rows, width, dtype=dtype, device=self.device)
+        out[:total] = typed[:total]
+        if rows > total:
+            out[total:].zero_()
         return out
+
+    def _check_handle(self, func: str, handle: Any) -> None:
+        if not isinstance(handle, DispatchHandle) or handle._buffer is not self:
+            raise bad_type(
+                func,
+                "handle",
+                handle,
+                "the handle this buffer's dispatch returned (a DispatchHandle, DeepEP's 6-tuple; a "
+                "tuple rebuilt from its items lacks the routing)",
+            )
 
     def _cached_dispatch(
         self,
@@ -967,7 +1167,10 @@ class Buffer:
         num_worst_tokens: int,
         blocks: int,
         async_finish: bool,
+        weights: torch.Tensor | None = None,
     ) -> tuple[Any, ...]:
+        """The replay of ``handle``'s layout; ``weights`` (the V2 layer's cached dispatch) are sent
+        too and come back in place 2, masked to this rank's experts, else None as in DeepEP V1."""
         op = handle._op
         if data.shape[1] > op.config.hidden_dim or data.element_size() > op.config.max_token_type_size:
             raise bad_value(
@@ -981,12 +1184,19 @@ class Buffer:
         rows = num_worst_tokens or handle.num_recv_rows
         if rows < total:
             raise bad_value(func, "num_worst_tokens", num_worst_tokens, f"0 or at least {total}")
-        outs = op.dispatch(data, None, scales, handle._indices, block_num=blocks, routing=handle._routing)
-        recv_x = self._gather_rows(outs[0], handle._perm, rows)
-        out_x: Any = recv_x
+        op.dispatch(data, weights, scales, handle._indices, block_num=blocks, routing=handle._routing)
+        out_x: Any = self._recv_rows(op._recv_tok, data.dtype, data.shape[1], total, rows)
         if scales is not None:
-            out_x = (recv_x, self._gather_rows(outs[2], handle._perm, rows))
-        return out_x, None, None, None, None, self._event_out(async_finish)
+            out_x = (out_x, self._recv_rows(op._recv_scales, scales.dtype, scales.shape[1], total, rows))
+        recv_w = None
+        if weights is not None:
+            e_local = op.config.num_experts_per_rank
+            glob = op._recv_idx[:total]
+            local = glob.to(torch.int64) - self.rank * e_local
+            mine = (glob >= 0) & (local >= 0) & (local < e_local)
+            recv_w = torch.zeros(rows, weights.shape[1], dtype=torch.float32, device=self.device)
+            recv_w[:total] = torch.where(mine, op._recv_w[:total], 0.0)
+        return out_x, None, recv_w, None, None, self._event_out(async_finish)
 
     def combine(
         self,
@@ -1016,8 +1226,7 @@ class Buffer:
         """
         func = "Buffer.combine"
         self._live(func)
-        if not isinstance(handle, DispatchHandle) or handle._buffer is not self:
-            raise bad_type(func, "handle", handle, "a DispatchHandle from this buffer's dispatch")
+        self._check_handle(func, handle)
         op = handle._op
         rows, total, n = handle.num_recv_rows, handle.num_recv_tokens, handle.num_tokens
         x = _tensor(func, "x", x, _COMBINE_DTYPES, (rows, None))
@@ -1044,17 +1253,16 @@ class Buffer:
             )
         blocks = self._config_blocks(func, config)
         self._events_in(func, previous_event, async_finish, allocate_on_comm_stream)
-        inv = handle._inv
-        y = x[:total].index_select(0, inv)
-        wts = None if topk_weights is None else topk_weights[:total].index_select(0, inv)
-        out, out_w = op.combine(y, wts, handle._indices, block_num=blocks, routing=handle._routing)
-        combined = out[:n].to(self.device).clone()
+        # the rows are in the operator's order already (see dispatch): no reordering
+        wts = None if topk_weights is None else topk_weights[:total]
+        out, out_w = op.combine(x[:total], wts, handle._indices, block_num=blocks, routing=handle._routing)
+        combined = out[:n]
         if biases:
             acc = combined.float()
             for b in biases:
                 acc = acc + b.float()
             combined = acc.to(x.dtype)
-        combined_w = None if out_w is None else out_w[:n].to(self.device).clone()
+        combined_w = None if out_w is None else out_w[:n]
         return combined, combined_w, self._event_out(async_finish)
 
     # -- low-latency mode ---------------------------------------------------------------------
@@ -1129,9 +1337,7 @@ class Buffer:
                 (e_local,),
             )
         if dispatch_wait_recv_cost_stats is not None:
-            _tensor(
-                func, "dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, (torch.int64,), (w,)
-            )
+            _wait_stats(func, "dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, w)
         use_fp8 = _bool(func, "use_fp8", use_fp8)
         round_scale = _bool(func, "round_scale", round_scale)
         use_ue8m0 = _bool(func, "use_ue8m0", use_ue8m0)
@@ -1169,7 +1375,11 @@ class Buffer:
                 1, 2
             )
         recv_count = torch.zeros(e_local, dtype=torch.int32, device=dev)
-        handle = LowLatencyHandle(self, op, routing, idx32, m, hidden, num_experts)
+        info = torch.full((e_local, slots), -1, dtype=torch.int32, device=dev)
+        layout_range = torch.zeros(e_local, w, dtype=torch.int64, device=dev)
+        handle = LowLatencyHandle(
+            (info, layout_range, m, hidden, num_experts), buffer=self, op=op, routing=routing, indices=idx32
+        )
         span = op.max_num_tokens_to_send()
 
         def receive() -> None:
@@ -1190,12 +1400,10 @@ class Buffer:
                 recv_sc.zero_()
                 recv_sc[le, j] = rows_sc[row_i]
             src_rank, src_tok = pos[row_i] // span, pos[row_i] % span
-            info = torch.full((e_local, slots), -1, dtype=torch.int32, device=dev)
             info[le, j] = src_tok.to(torch.int32)
             per_src = torch.bincount(le * w + src_rank, minlength=e_local * w).view(e_local, w)
             begin = torch.cumsum(per_src, 1) - per_src  # first packed row of each source, per expert
-            handle.packed_recv_src_info = info
-            handle.packed_recv_layout_range = (begin << 32) | per_src
+            layout_range.copy_((begin << 32) | per_src)
             handle._pairs = (row_i, k_i, le, j)
             recv_count.copy_(count.to(torch.int32))
             if cumulative_local_expert_recv_stats is not None:
@@ -1296,7 +1504,7 @@ class Buffer:
         if out is not None:
             out = _tensor(func, "out", out, (torch.bfloat16,), (n, hidden))
         if combine_wait_recv_cost_stats is not None:
-            _tensor(func, "combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, (torch.int64,), (w,))
+            _wait_stats(func, "combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, w)
 
         op, routing = handle._op, handle._routing
         # 1. the gating weights to the expert ranks: the dispatch's layout, the weights as payload
@@ -1338,3 +1546,98 @@ class Buffer:
         _int(func, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
         _int(func, "hidden", hidden, 1)
         self._num_experts(func, "num_experts", num_experts)
+
+    # -- the rest of DeepEP's public surface ------------------------------------------------------
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True: every feature DeepEP guards with its SM90 build (fp8 dispatch, low-latency mode,
+        TMA-friendly scale layouts) is available here on every device, CPU runtime included."""
+        return is_sm90_compiled()
+
+    def get_local_buffer_tensor(
+        self,
+        dtype: torch.dtype,
+        size: torch.Size | None = None,
+        offset: int = 0,
+        use_rdma_buffer: bool = False,
+    ) -> torch.Tensor:
+        """Not available: MORI has no raw communication buffer of ``num_nvl_bytes`` (its operators
+        size their symmetric buffers per call from the shapes). Raises
+        :class:`~mori.core.errors.MoriBackendError`."""
+        raise MoriBackendError(
+            "Buffer.get_local_buffer_tensor: MORI sizes its symmetric buffers per call from the shapes and "
+            "has no raw NVLink/RDMA buffer to return; allocate symmetric memory with "
+            "mori.shmem.mori_shmem_create_tensor instead"
+        )
+
+    def internode_dispatch(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """DeepEP's inter-node normal dispatch (DeepEP calls it from ``dispatch`` with more than one
+        node). One node only here: raises :class:`~mori.core.errors.MoriBackendError`."""
+        raise MoriBackendError(
+            "Buffer.internode_dispatch: inter-node normal mode needs MORI's network transport (not yet "
+            "available); on one node call dispatch"
+        )
+
+    def internode_combine(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """See :meth:`internode_dispatch`: raises :class:`~mori.core.errors.MoriBackendError`."""
+        raise MoriBackendError(
+            "Buffer.internode_combine: inter-node normal mode needs MORI's network transport (not yet "
+            "available); on one node call combine"
+        )
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """DeepEP's shrink mode (mask a failed rank). Needs ``enable_shrink=True``, which MORI does
+        not support (every rank takes part in every call): raises
+        :class:`~mori.core.errors.MoriStateError`."""
+        self._no_shrink("Buffer.low_latency_update_mask_buffer")
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """See :meth:`low_latency_update_mask_buffer`: raises."""
+        self._no_shrink("Buffer.low_latency_query_mask_buffer")
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """See :meth:`low_latency_update_mask_buffer`: raises."""
+        self._no_shrink("Buffer.low_latency_clean_mask_buffer")
+
+    def _no_shrink(self, func: str) -> None:
+        raise MoriStateError(f"{func}: needs enable_shrink=True, which MORI does not support")
+
+
+def is_sm90_compiled() -> bool:
+    """DeepEP's ``deep_ep_cpp.is_sm90_compiled``: True (see :meth:`Buffer.is_sm90_compiled`)."""
+    return True
+
+
+def get_low_latency_rdma_size_hint(
+    num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+) -> int:
+    """DeepEP's module-level ``get_low_latency_rdma_size_hint`` (:meth:`Buffer.get_low_latency_rdma_size_hint`)."""
+    return Buffer.get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts
+    )
+
+
+#: the DeepEP V1 API version this module follows, as ``deep_ep.__version__`` (``+mori`` marks ours)
+__version__ = "1.2.1+mori"
+
+
+def install_as_deep_ep(force: bool = False) -> types.ModuleType:
+    """Make ``import deep_ep`` (and ``deep_ep.buffer``, ``deep_ep.utils``) resolve to this module,
+    so an engine written for DeepEP runs on MORI unchanged. Returns the module.
+
+    Changes only ``sys.modules``. If another ``deep_ep`` is imported already, raises
+    :class:`~mori.core.errors.MoriStateError` unless ``force=True`` (objects made by it keep
+    working with it; new imports get MORI's).
+    """
+    me = sys.modules[__name__]
+    names = ("deep_ep", "deep_ep.buffer", "deep_ep.utils")
+    other = [n for n in names if n in sys.modules and sys.modules[n] is not me]
+    if other and not force:
+        raise MoriStateError(
+            f"install_as_deep_ep: {', '.join(other)} is imported already (from "
+            f"{getattr(sys.modules[other[0]], '__file__', '?')}); pass force=True to replace it"
+        )
+    for n in names:
+        sys.modules[n] = me
+    return me

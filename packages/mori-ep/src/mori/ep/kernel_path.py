@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 import mori.shmem as shmem
-from mori.core.errors import MoriStateError
-from mori.ep import tuning
+from mori.core.errors import MoriStateError, MoriValueError
+from mori.ep import agreement, tuning
 
 if TYPE_CHECKING:
     from mori.ep.op import EpDispatchCombineOp, EpDispatchRoutingHandle
@@ -81,17 +81,21 @@ class KernelPath:
         w, m = op.world_size, op._m
         self.device = dev
         self.ctx = shmem_device_context()
-        self.ctrl = shmem.mori_shmem_create_tensor((4 * w + kernels.N_CTRL_EXTRA,), torch.int64)
+        self.ctrl = shmem.mori_shmem_create_tensor((kernels.ctrl_words(w),), torch.int64)
         self.ctrl.zero_()
         op._symm.append(self.ctrl)
+        #: dispatch launches so far: the epoch of the last one (ERR_D holds a disagreeing call's)
+        self.dispatch_calls = 0
         #: registered combine weights: peers read each row's weights here
         self.comb_w = shmem.mori_shmem_create_tensor((op._r, op._k), torch.float32)
         self.comb_w.zero_()
         op._symm.append(self.comb_w)
         #: fp8_blockwise combine: the fp32 block scales of the quantised rows, read by peers
-        self.quant = {"none": 0, "fp8_direct_cast": 1, "fp8_blockwise": 2}[op.config.quant_type]
+        self.quant = {"none": 0, "fp8_direct_cast": 1, "fp8_blockwise": 2, "fp4_blockwise": 3}[
+            op.config.quant_type
+        ]
         self.comb_scales = self.comb_w
-        if self.quant == 2:
+        if self.quant in (2, 3):
             self.comb_scales = shmem.mori_shmem_create_tensor((op._r, op._quant_scale_dim), torch.float32)
             self.comb_scales.zero_()
             op._symm.append(self.comb_scales)
@@ -140,6 +144,8 @@ class KernelPath:
                 num_tokens=n_tok,
                 hidden_dim=cfg.hidden_dim,
                 zero_copy=zero_copy,
+                topk=cfg.num_experts_per_token,
+                quant_type=cfg.quant_type,
             )
         if block_num == -1:
             block_num = rule.block_num if rule else cfg.block_num
@@ -164,6 +170,7 @@ class KernelPath:
         """Launch :func:`~mori.ep.kernels.dispatch_kernel`; ``recv``: its last program also waits
         for every peer and publishes ``total_recv`` (else :meth:`dispatch_recv` does)."""
         op, k = self.op, self.op._k
+        self.dispatch_calls += 1
         n, h = input.shape
         nb = h * input.element_size()
         row_bytes = op._row_bytes
@@ -199,6 +206,7 @@ class KernelPath:
             routing.total_recv if routing is not None else self.total_recv,
             self.ctrl,
             self.ctx,
+            dispatch_desc(input, weights, scales, routing is not None),
             nb // word,
             row_bytes // word,
             sb,
@@ -219,6 +227,20 @@ class KernelPath:
             SC_BLOCK=min(256, _pow2_at_least(max(sb, 1))),
             num_warps=warps,
         )
+
+    def disagreement(self, func: str) -> MoriValueError | None:
+        """The error naming what the ranks disagreed on in the last dispatch, or None. Reads two
+        words of the control block: a device synchronisation on a GPU."""
+        w = self.op.world_size
+        epoch = self.dispatch_calls
+        if epoch == 0 or int(self.ctrl[self.kernels.err_d_word(w)]) != epoch:
+            return None
+        words = self.ctrl[self.kernels.desc_d_words(w, epoch)].cpu()
+        rows = torch.stack([unpack_desc(int(v)) for v in words])
+        err = agreement.mismatch(
+            func, "each dispatch call's arguments", agreement.DISPATCH_FIELDS, rows, self.op.rank
+        )
+        return err or MoriValueError(f"{func}: the ranks disagreed on the last dispatch call")
 
     def dispatch_recv(self, routing: EpDispatchRoutingHandle | None, count: bool, launch: bool) -> None:
         """``launch``: wait for the peers here (AsyncLL); then ``count`` local experts' rows."""
@@ -435,7 +457,7 @@ class KernelPath:
             cinp_typed,
             cinp_typed.stride(0),
             self.comb_w,
-            op._comb_inp.view(torch.float8_e4m3fn),
+            op._comb_inp if self.quant == 3 else op._comb_inp.view(torch.float8_e4m3fn),
             op._comb_inp.stride(0),
             self.comb_scales,
             self.comb_scales.shape[1],
@@ -456,11 +478,40 @@ class KernelPath:
             DO_STAGE=bool(phases & kern.STAGE),
             DO_REDUCE=bool(phases & kern.REDUCE),
             QUANT=self.quant,
-            QB=op._quant_block if self.quant == 2 else 1,
+            QB=op._quant_block if self.quant in (2, 3) else 1,
             BT=tile.rows,
             BLOCK=tile.block,
             num_warps=warps,
         )
+
+
+#: bit fields (shift, width) of the dispatch descriptor word, in the order of DISPATCH_FIELDS
+_DESC_BITS = ((0, 8), (8, 24), (32, 16), (48, 8), (56, 1), (57, 1))
+
+
+def dispatch_desc(
+    input: torch.Tensor, weights: torch.Tensor | None, scales: torch.Tensor | None, replay: bool
+) -> int:
+    """One int64 word packing :data:`mori.ep.agreement.DISPATCH_FIELDS` for the kernels (the
+    dtype is the call's, not that of the word view the kernel moves)."""
+    sb = 0 if scales is None else scales.shape[1] * scales.element_size()
+    values = (
+        agreement.dtype_code(input.dtype),
+        input.shape[1],
+        sb,
+        agreement.dtype_code(None if scales is None else scales.dtype),
+        int(weights is not None),
+        int(replay),
+    )
+    word = 0
+    for (shift, width), v in zip(_DESC_BITS, values, strict=True):
+        word |= min(v, (1 << width) - 1) << shift  # (a size beyond its field saturates)
+    return word
+
+
+def unpack_desc(word: int) -> torch.Tensor:
+    """int64 [len(DISPATCH_FIELDS)] from :func:`dispatch_desc`'s word."""
+    return torch.tensor([(word >> shift) & ((1 << width) - 1) for shift, width in _DESC_BITS])
 
 
 def kernels_requested(device: torch.device, impl: str) -> bool:

@@ -40,10 +40,18 @@ each program reduces its chunks as the flags arrive, pushing its next chunk mean
 Both combines end with ``READY_C``: the last program tells every peer "I have read what you
 published" and waits until every peer said the same, so the next combine may overwrite it.
 
-Epochs live in the control words on the device, so the kernels take no per-call host value: a
-CUDA graph of them replays correctly. Control words (int64, symmetric, ``W`` = world size):
-``[0, W)`` READY_D, ``[W, 2W)`` DONE_D, ``[2W, 3W)`` READY_C, ``[3W, 4W)`` DONE_C, then SLOT,
-EPOCH_D, EPOCH_C, TICKET_D, TICKET_C and the combine's read ticket (local words).
+Epochs live in the control words on the device, so the kernels take no per-call host value
+that changes from call to call: a CUDA graph of them replays correctly. Control words (int64,
+symmetric, ``W`` = world size): ``[0, W)`` READY_D, ``[W, 2W)`` DONE_D, ``[2W, 3W)`` READY_C,
+``[3W, 4W)`` DONE_C, then SLOT, EPOCH_D, EPOCH_C, TICKET_D, TICKET_C, the combine's read ticket,
+ERR_D (local words), and DESC_D ``[2][W]``.
+
+Ranks agree on each dispatch (see :mod:`mori.ep.agreement`): before its ready signal, program 0
+of ``dispatch_kernel`` stores the call's descriptor (dtype, hidden size, scale bytes, weights,
+replay; one word packed by the host) into every peer's ``DESC_D[epoch % 2][me]``; after the
+handshake each program compares the W words. If any differs, every rank sends no row (and
+publishes ``total_recv = 0``) and stores the epoch into ERR_D, from which the host names the
+fields. A peer is at most one call ahead, so two descriptor rows by parity never mix calls.
 
 Token rows travel as words (int32, int16 or uint8, the widest that the row size allows), so one
 kernel serves every dtype of the same width class; combine's reduction reads them typed.
@@ -60,15 +68,31 @@ from mori.core.kernels import aot_variants, device_function
 from mori.shmem import device as shd
 
 __all__ = [
-    "N_CTRL_EXTRA",
+    "err_d_word",
     "combine_kernel",
     "combine_push_kernel",
+    "ctrl_words",
+    "desc_d_words",
     "dispatch_recv_kernel",
     "dispatch_kernel",
 ]
 
-#: control words after the 4 * world_size signal words
-N_CTRL_EXTRA = 6
+
+def ctrl_words(world: int) -> int:
+    """int64 control words of one operator: the 4 * W signal words, six local words, ERR_D and the
+    dispatch descriptors DESC_D[2][W] (see the module docstring)."""
+    return 6 * world + 7
+
+
+def err_d_word(world: int) -> int:
+    """Index of ERR_D: the epoch of the last dispatch whose ranks disagreed (0: none)."""
+    return 4 * world + 6
+
+
+def desc_d_words(world: int, epoch: int) -> slice:
+    """The W descriptor words of dispatch ``epoch`` (two alternate, by parity)."""
+    base = 4 * world + 7 + (epoch % 2) * world
+    return slice(base, base + world)
 
 
 @device_function
@@ -89,6 +113,30 @@ def _handshake(ctrl_ptr, ready_off, epoch, ctx_ptr, W: tl.constexpr):
             shd.signal_op(ctrl_ptr + ready_off + me, 1, shd.SIGNAL_ADD, q, ctx_ptr)
     for q in tl.static_range(W):
         shd.wait_until(ctrl_ptr + ready_off + q, shd.SHMEM_CMP_GE, epoch)
+
+
+@device_function
+@triton.jit
+def _post_desc(ctrl_ptr, desc, epoch, ctx_ptr, W: tl.constexpr):
+    # program 0 stores this call's descriptor into every peer's DESC_D[epoch % 2][me], before the
+    # ready signal of _handshake (a release by the same thread: a peer that saw the signal sees it)
+    me = shd.my_pe(ctx_ptr)
+    desc_off = 4 * W + 7 + (epoch % 2) * W
+    if tl.program_id(0) == 0:
+        for q in tl.static_range(W):
+            shd.signal_op(ctrl_ptr + desc_off + me, desc, shd.SIGNAL_SET, q, ctx_ptr)
+
+
+@device_function
+@triton.jit
+def _peers_disagree(ctrl_ptr, desc, epoch, W: tl.constexpr):
+    # after _handshake: whether any peer posted another descriptor for call `epoch` (every rank
+    # compares the same W words, so every rank decides alike)
+    desc_off = 4 * W + 7 + (epoch % 2) * W
+    bad = desc != desc
+    for q in tl.static_range(W):
+        bad = bad | (tl.load(ctrl_ptr + desc_off + q, volatile=True) != desc)
+    return bad
 
 
 @device_function
@@ -114,6 +162,7 @@ def _finish(ctrl_ptr, ticket_off, epoch_off, done_off, epoch, ctx_ptr, W: tl.con
 @triton.jit
 def _publish_total(ctrl_ptr, total_ptr, replay_total_ptr, epoch, W: tl.constexpr, REPLAY: tl.constexpr):
     # wait for every peer's dispatch `epoch`, then publish total_recv and reset the slot counter
+    # (0 rows when the ranks disagreed on the call: ERR_D holds its epoch)
     _rd, DONE_D, _rc, _dc, SLOT, _ed, _ec, _td, _tc = _ctrl_offsets(W)
     for q in tl.static_range(W):
         shd.wait_until(ctrl_ptr + DONE_D + q, shd.SHMEM_CMP_GE, epoch)
@@ -121,7 +170,8 @@ def _publish_total(ctrl_ptr, total_ptr, replay_total_ptr, epoch, W: tl.constexpr
         total = tl.load(replay_total_ptr)
     else:
         total = tl.atomic_xchg(ctrl_ptr + SLOT, 0, sem="acq_rel", scope="sys").to(tl.int32)
-    tl.store(total_ptr, total)
+    disagreed = tl.load(ctrl_ptr + 4 * W + 6, volatile=True) == epoch
+    tl.store(total_ptr, tl.where(disagreed, 0, total))
 
 
 @device_function
@@ -162,6 +212,7 @@ def _dispatch_variants() -> list[dict[str, Any]]:
         "replay_total_ptr": "*i32",
         "ctrl_ptr": "*i64",
         "ctx_ptr": "*i64",
+        "desc": "i64",
         "row_words": "i32",
         "recv_row_words": "i32",
         "sc_bytes": "i32",
@@ -232,6 +283,9 @@ def dispatch_kernel(
     # symmetric int64 control words, shmem context
     ctrl_ptr,
     ctx_ptr,
+    # this call's descriptor (dtype, hidden size, scales, weights, replay; packed on the host):
+    # every rank must pass the same one, or the call moves no row and ERR_D records it
+    desc,
     row_words,
     recv_row_words,
     sc_bytes,
@@ -256,11 +310,17 @@ def dispatch_kernel(
     pid = tl.program_id(0)
     me = shd.my_pe(ctx_ptr)
     epoch = tl.load(ctrl_ptr + EPOCH_D) + 1
+    _post_desc(ctrl_ptr, desc, epoch, ctx_ptr, W)
     _handshake(ctrl_ptr, READY_D, epoch, ctx_ptr, W)
+    # ranks that disagree on the call send nothing (every rank sees the same descriptors)
+    n_send = n_tok
+    if _peers_disagree(ctrl_ptr, desc, epoch, W):
+        tl.store(ctrl_ptr + 4 * W + 6, epoch)  # ERR_D: the host names the fields
+        n_send = 0
 
-    per = tl.cdiv(n_tok, tl.num_programs(0))
+    per = tl.cdiv(n_send, tl.num_programs(0))
     t_begin = pid * per
-    t_end = tl.minimum(t_begin + per, n_tok)
+    t_end = tl.minimum(t_begin + per, n_send)
     offs_t = tl.arange(0, BT)
     lanes = tl.arange(0, W_P2)
     n_experts = E_LOCAL * W
@@ -350,14 +410,17 @@ def dispatch_kernel(
                 tl.store(dst_row + cols[None, :], data, mask=ok[:, None] & cm[None, :])
             c += BLOCK
         t0 += BT
-    # tokens this rank does not have this call: no row anywhere (recv_slot is complete every call)
-    per_tail = tl.cdiv(M - n_tok, tl.num_programs(0))
-    t0 = n_tok + pid * per_tail
+    # tokens this rank does not send this call: no row anywhere (recv_slot is complete every call;
+    # dest_slot too, unless it is a routing handle's)
+    per_tail = tl.cdiv(M - n_send, tl.num_programs(0))
+    t0 = n_send + pid * per_tail
     t_end = tl.minimum(t0 + per_tail, M)
     while t0 < t_end:
         toks = t0 + cols0
         for p in tl.static_range(W):
             tl.store(shd.ptr_p2p(recv_slot_ptr, p, ctx_ptr) + me * M + toks, -1, mask=toks < t_end)
+            if not REPLAY:
+                tl.store(dest_slot_ptr + p * M + toks, -1, mask=toks < t_end)
         t0 += BLOCK
 
     last = _finish(ctrl_ptr, TICKET_D, EPOCH_D, DONE_D, epoch, ctx_ptr, W)
@@ -423,6 +486,33 @@ def _round_e4m3(x):
     return tl.minimum(tl.maximum(r, -_FP8_MAX), _FP8_MAX)
 
 
+#: largest e2m1 magnitude: fp4 blockwise scales map a block's max |x| to it
+_E2M1_MAX = tl.constexpr(6.0)
+
+
+@device_function
+@triton.jit
+def _e2m1_code(x):
+    # fp32 -> e2m1 code (int32 0..15, sign in bit 3): round to nearest, ties to even, saturating at
+    # +-6; no hardware conversion (the same bits on every target, as mori.ep.fp4.encode): count the
+    # midpoints of the grid 0, .5, 1, 1.5, 2, 3, 4, 6 below |x| (a tie rounds to the even code)
+    a = tl.abs(x)
+    code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+    code += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+    code += (a > 5.0).to(tl.int32)
+    return tl.where((x < 0) & (code > 0), code | 8, code)
+
+
+@device_function
+@triton.jit
+def _e2m1_value(code):
+    # e2m1 code (int32 0..15) -> fp32: exponent 0 is subnormal (0 or 0.5), else 2^(e-1) * (1 + m/2)
+    e = (code >> 1) & 3
+    m = (code & 1).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.5, tl.exp2((e - 1).to(tl.float32)) * (1.0 + m * 0.5))
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
 #: what one launch of combine_kernel does (host-side flags): publish this rank's rows (STAGE),
 #: gather and sum every token's rows (REDUCE), or both (GPU: one launch)
 STAGE = 1
@@ -467,10 +557,12 @@ def _combine_variants() -> list[dict[str, Any]]:
         (2, 1, 1, "*fp32", 2, 0),
         (2, 0, 1, "*bf16", 3, 1),
         (8, 1, 1, "*bf16", 3, 2),
+        (2, 1, 1, "*bf16", 3, 3),
     ):
+        cq = "*u8" if quant == 3 else "*fp8e4nv"
         out.append(
             {
-                "signature": {**sig, "own_ptr": dt, "cinp_typed_ptr": dt, "out_ptr": dt},
+                "signature": {**sig, "own_ptr": dt, "cinp_typed_ptr": dt, "out_ptr": dt, "cq_ptr": cq},
                 "constexprs": {
                     "W": w,
                     "K": 8,
@@ -480,7 +572,7 @@ def _combine_variants() -> list[dict[str, Any]]:
                     "DO_STAGE": int(bool(phases & STAGE)),
                     "DO_REDUCE": int(bool(phases & REDUCE)),
                     "QUANT": quant,
-                    "QB": 128 if quant == 2 else 1,
+                    "QB": {2: 128, 3: 32}.get(quant, 1),
                     "BT": 4,
                     "BLOCK": 2048,
                 },
@@ -522,8 +614,9 @@ def combine_kernel(
     cinp_typed_ptr,
     cinp_row_elems,
     cw_ptr,
-    # wire quantisation (QUANT > 0): the registered buffer as fp8 e4m3fn rows of cq_row bytes, and
-    # fp32 block scales [R, n_scales] (symmetric; QUANT = 2)
+    # wire quantisation (QUANT > 0): the registered buffer as fp8 e4m3fn rows of cq_row bytes (as
+    # uint8 with packed fp4 for QUANT = 3), and fp32 block scales [R, n_scales] (symmetric; QUANT
+    # = 2 or 3)
     cq_ptr,
     cq_row,
     cs_ptr,
@@ -567,7 +660,10 @@ def combine_kernel(
     ``QUANT`` (bf16 input, copied): the rows peers read cross the wire as fp8 e4m3fn, saturating
     (1: ``fp8_direct_cast``), or with blocks of ``QB`` elements whose max ``|x|`` exceeds 448
     divided by ``max|x| / 448`` first, the fp32 scales stored beside the row (2:
-    ``fp8_blockwise``); the reader dequantises. Rows that stay on this rank are not quantised.
+    ``fp8_blockwise``), or as e2m1 packed two a byte (low nibble first), each block of ``QB``
+    divided by ``max|x| / 6`` (1 if all zero) with its fp32 scale (3: ``fp4_blockwise``, rounded
+    in software, :func:`_e2m1_code`); the reader dequantises. Rows that stay on this rank are not
+    quantised.
     """
     _rd, _dd, _rc, DONE_C, _s, _ed, EPOCH_C, _td, TICKET_C = _ctrl_offsets(W)
     pid = tl.program_id(0)
@@ -594,16 +690,26 @@ def combine_kernel(
                     m = cmask[:, None] & (cols < h)[None, :]
                     x = tl.load(own_ptr + rows64[:, None] * own_stride + cols[None, :], mask=m, other=0.0)
                     x = x.to(tl.float32)
-                    if QUANT == 2:
+                    if QUANT >= 2:  # blockwise: one fp32 scale per QB values
                         xb = tl.reshape(x, [BT, BLOCK // QB, QB])
                         amax = tl.max(tl.abs(xb), axis=2)
-                        sc = tl.where(amax > _FP8_MAX, amax / _FP8_MAX, 1.0)
+                        if QUANT == 2:
+                            sc = tl.where(amax > _FP8_MAX, amax / _FP8_MAX, 1.0)
+                        else:
+                            sc = tl.where(amax > 0, amax / _E2M1_MAX, 1.0)
                         x = tl.reshape(xb / sc[:, :, None], [BT, BLOCK])
                         bidx = c // QB + tl.arange(0, BLOCK // QB)
                         ms = cmask[:, None] & (bidx < n_scales)[None, :]
                         tl.store(cs_ptr + rows64[:, None] * n_scales + bidx[None, :], sc, mask=ms)
-                    q = _round_e4m3(x).to(cq_ptr.dtype.element_ty)
-                    tl.store(cq_ptr + rows64[:, None] * cq_row + cols[None, :], q, mask=m)
+                    if QUANT == 3:  # two e2m1 codes a byte: element 2i low, 2i + 1 high
+                        lo, hi = tl.split(tl.reshape(_e2m1_code(x), [BT, BLOCK // 2, 2]))
+                        pcols = c // 2 + tl.arange(0, BLOCK // 2)
+                        mp = cmask[:, None] & (pcols < h // 2)[None, :]
+                        byte = (lo | (hi << 4)).to(tl.uint8)
+                        tl.store(cq_ptr + rows64[:, None] * cq_row + pcols[None, :], byte, mask=mp)
+                    else:
+                        q = _round_e4m3(x).to(cq_ptr.dtype.element_ty)
+                        tl.store(cq_ptr + rows64[:, None] * cq_row + cols[None, :], q, mask=m)
                     c += BLOCK
             elif COPY:  # rows of other ranks only: this rank's own are read from the input
                 pos = tl.load(recv_src_ptr + rows, mask=rmask, other=0)
@@ -645,6 +751,16 @@ def combine_kernel(
                         m = ((slot >= 0) & (slot < n_inp_rows))[:, None] & cm[None, :]
                         v = tl.load(own_ptr + slot[:, None] * own_stride + cols[None, :], mask=m, other=0.0)
                         v = v.to(tl.float32)  # (every branch yields fp32: Triton wants one type)
+                    elif QUANT == 3:
+                        pcols = c // 2 + tl.arange(0, BLOCK // 2)
+                        mp = (slot >= 0)[:, None] & (pcols < h // 2)[None, :]
+                        src_q = shd.ptr_p2p(cq_ptr + slot * cq_row, p, ctx_ptr)
+                        byte = tl.load(src_q[:, None] + pcols[None, :], mask=mp, other=0).to(tl.int32)
+                        pair = tl.join(_e2m1_value(byte & 15), _e2m1_value(byte >> 4))
+                        v = tl.reshape(pair, [BT, BLOCK])
+                        mr = (slot >= 0)[:, None] & cm[None, :]
+                        src_s = shd.ptr_p2p(cs_ptr + slot * n_scales, p, ctx_ptr)
+                        v = v * tl.load(src_s[:, None] + (cols // QB)[None, :], mask=mr, other=0.0)
                     elif QUANT:
                         mr = (slot >= 0)[:, None] & cm[None, :]
                         src_q = shd.ptr_p2p(cq_ptr + slot * cq_row, p, ctx_ptr)

@@ -25,8 +25,10 @@ Combine wire quantisation (``config.quant_type``, bf16 combine input, not zero-c
 ``fp8_direct_cast`` each row is cast (saturating) to float8_e4m3fn before it is stored, so the
 staging buffer holds fp8; with ``fp8_blockwise`` each row is cut into ``MORI_FP8_COMBINE_SCALE_DIM``
 blocks (default 56, read when the op is built), a block whose max ``|x|`` exceeds 448 is divided by
-``max|x| / 448`` first, and the fp32 scales travel with the row. The source dequantises, sums in
-fp32 and casts once to bf16.
+``max|x| / 448`` first, and the fp32 scales travel with the row; with ``fp4_blockwise`` each
+block of 32 values is divided by ``max|x| / 6``, rounded to e2m1 in software (exact, the same bits
+on every target: :mod:`mori.ep.fp4`) and packed two a byte, with its fp32 scale. The source
+dequantises, sums in fp32 and casts once to bf16.
 
 Overwrite safety: each call starts by telling every peer "my buffers are free" (an epoch signal)
 and writes into a peer's buffers only after that peer said so for this call. A dispatch's outputs
@@ -53,7 +55,8 @@ from mori.core.errors import (
     bad_value,
     format_ranks,
 )
-from mori.ep.config import EpDispatchCombineConfig, EpDispatchCombineKernelType
+from mori.ep import agreement, fp4, tuning
+from mori.ep.config import QUANT_TYPES, EpDispatchCombineConfig, EpDispatchCombineKernelType
 from mori.ep.kernel_path import KernelPath, kernels_requested
 
 __all__ = ["EpDispatchCombineOp", "EpDispatchRoutingHandle"]
@@ -73,8 +76,19 @@ def _float8_types() -> tuple[torch.dtype, ...]:
     return tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz") if hasattr(torch, n))
 
 
-#: token dtypes dispatch accepts (bytes are moved unchanged)
-DISPATCH_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32, *_float8_types())
+def _float4_types() -> tuple[torch.dtype, ...]:
+    return (torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ()
+
+
+#: token dtypes dispatch accepts (bytes are moved unchanged; float4_e2m1fn_x2 packs two values a
+#: byte, so its hidden size counts bytes: half the values)
+DISPATCH_DTYPES: tuple[torch.dtype, ...] = (
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    *_float8_types(),
+    *_float4_types(),
+)
 #: token dtypes combine accepts (summed in fp32, cast once)
 COMBINE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -99,8 +113,8 @@ def _names(dtypes: Sequence[torch.dtype]) -> str:
     return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
 
 
-#: combine wire formats this runtime implements (``fp4_blockwise`` needs gfx950 fp4 support)
-COMBINE_QUANT_TYPES = ("none", "fp8_direct_cast", "fp8_blockwise")
+#: combine wire formats this runtime implements (fp4 in software, see mori.ep.fp4)
+COMBINE_QUANT_TYPES = ("none", "fp8_direct_cast", "fp8_blockwise", "fp4_blockwise")
 #: largest finite float8_e4m3fn value: the fp8 wire saturates there; blockwise scales map to it
 FP8_MAX = 448.0
 #: env var with the number of fp8_blockwise scales per row (read when an op is built)
@@ -125,6 +139,29 @@ def _fp8_combine_scale_dim(func: str, hidden_dim: int) -> int:
             f"(blocks of hidden_dim / {SCALE_DIM_ENV} elements; default {DEFAULT_FP8_COMBINE_SCALE_DIM})"
         )
     return value
+
+
+def _dispatch_words(
+    input: torch.Tensor,
+    weights: torch.Tensor | None,
+    scales: torch.Tensor | None,
+    routing: EpDispatchRoutingHandle | None,
+) -> list[int]:
+    """The words of :data:`mori.ep.agreement.DISPATCH_FIELDS` for one dispatch call."""
+    sb = 0 if scales is None else scales.shape[1] * scales.element_size()
+    return [
+        agreement.dtype_code(input.dtype),
+        input.shape[1],
+        sb,
+        agreement.dtype_code(None if scales is None else scales.dtype),
+        int(weights is not None),
+        int(routing is not None),
+    ]
+
+
+def _combine_words(input: torch.Tensor, weights: torch.Tensor | None, external: bool) -> list[int]:
+    """The words of :data:`mori.ep.agreement.COMBINE_FIELDS` for one combine call."""
+    return [agreement.dtype_code(input.dtype), input.shape[1], int(weights is not None), int(external)]
 
 
 class EpDispatchRoutingHandle:
@@ -244,17 +281,38 @@ class EpDispatchCombineOp:
                 f"True with quant_type={config.quant_type!r} (wire quantisation needs the push combine, "
                 "not zero-copy)",
             )
+        npes, mype = shmem.shmem_npes(), shmem.shmem_mype()
+        if config.world_size != npes:
+            raise bad_value(func, "config.world_size", config.world_size, f"shmem_npes() = {npes}")
+        if config.rank != mype:
+            raise bad_value(func, "config.rank", config.rank, f"shmem_mype() = {mype}")
+        self.rank, self.world_size = mype, npes
+        # every rank's wire-shaping config, compared before any other symmetric allocation (whose
+        # sizes depend on it): a difference is reported by field name on every rank
+        # (rows: 0 the config, 1-2 dispatch calls and 3-4 combine calls by parity; every row is
+        # written whole by its owner before it is read, so the table needs no zeroing)
+        self._agree = shmem.mori_shmem_create_tensor((5, npes, agreement.ROW_WORDS), torch.int64)
+        self._p_agree = [
+            self._agree if p == mype else shmem.symm_mori_shmem_tensor(self._agree, p) for p in range(npes)
+        ]
+        self._agree_on_config(func, config, impl)
         #: fp8_blockwise: scales per row (MORI_FP8_COMBINE_SCALE_DIM) and elements per block
         self._quant_scale_dim = 0
         self._quant_block = 0
         if config.quant_type == "fp8_blockwise":
             self._quant_scale_dim = _fp8_combine_scale_dim(func, config.hidden_dim)
             self._quant_block = config.hidden_dim // self._quant_scale_dim
-        npes, mype = shmem.shmem_npes(), shmem.shmem_mype()
-        if config.world_size != npes:
-            raise bad_value(func, "config.world_size", config.world_size, f"shmem_npes() = {npes}")
-        if config.rank != mype:
-            raise bad_value(func, "config.rank", config.rank, f"shmem_mype() = {mype}")
+        elif config.quant_type == "fp4_blockwise":
+            if config.hidden_dim % fp4.FP4_BLOCK:
+                raise bad_value(
+                    func,
+                    "config.hidden_dim",
+                    config.hidden_dim,
+                    f"a multiple of {fp4.FP4_BLOCK} with quant_type='fp4_blockwise' (blocks of "
+                    f"{fp4.FP4_BLOCK} values, one fp32 scale each)",
+                )
+            self._quant_block = fp4.FP4_BLOCK
+            self._quant_scale_dim = config.hidden_dim // fp4.FP4_BLOCK
         if config.max_token_type_size not in (1, 2, 4):
             raise bad_value(func, "config.max_token_type_size", config.max_token_type_size, "1, 2 or 4")
 
@@ -275,8 +333,11 @@ class EpDispatchCombineOp:
         self._recv_idx = create((r, k), torch.int32)
         self._recv_src = create((r,), torch.int32)
         self._comb_inp = create((r, self._row_bytes), torch.uint8)  # registered combine input
-        # combine staging: the wire format, sized for the quant type (fp8: one byte per element)
-        stage_bytes = self._row_bytes if config.quant_type == "none" else config.hidden_dim
+        # combine staging: the wire format, sized for the quant type (fp8: one byte per element,
+        # fp4: half a byte)
+        stage_bytes = {"none": self._row_bytes, "fp4_blockwise": config.hidden_dim // 2}.get(
+            config.quant_type, config.hidden_dim
+        )
         self._stage_tok = create((w, m, stage_bytes), torch.uint8)
         self._stage_w = create((w, m, k), torch.float32)
         # control words: dispatch done [w], combine done [w], slot counters [2] (by parity),
@@ -293,7 +354,7 @@ class EpDispatchCombineOp:
             self._stage_w,
             self._ctrl,
         ]
-        self._stage_sc: torch.Tensor | None = None  # fp8_blockwise: fp32 block scales of the rows
+        self._stage_sc: torch.Tensor | None = None  # blockwise: fp32 block scales of the rows
         if self._quant_scale_dim:
             self._stage_sc = create((w, m, self._quant_scale_dim), torch.float32)
             self._symm.append(self._stage_sc)
@@ -328,7 +389,7 @@ class EpDispatchCombineOp:
             qb = self._quant_block
             if qb and (qb & (qb - 1) or qb > 2048):
                 raise MoriBackendError(
-                    f"{func}: quant_type='fp8_blockwise' with blocks of {qb} elements (hidden_dim / "
+                    f"{func}: quant_type={config.quant_type!r} with blocks of {qb} elements (hidden_dim / "
                     f"{SCALE_DIM_ENV}) is implemented on the host path only; the Triton kernels need a "
                     "power-of-two block of at most 2048 elements"
                 )
@@ -341,6 +402,66 @@ class EpDispatchCombineOp:
         self._pending_dispatch: dict[str, Any] | None = None  # sent, not yet received
         self._pending_combine: dict[str, Any] | None = None
         shmem.shmem_barrier_all()  # every rank's buffers are zeroed before anyone writes
+
+    # -- agreement between ranks (see mori.ep.agreement) --------------------------------------------
+
+    def _agree_on_config(self, func: str, config: EpDispatchCombineConfig, impl: str) -> None:
+        """Compare every rank's wire-shaping config; raise on every rank if they differ. Collective."""
+        raw_sd = os.environ.get(SCALE_DIM_ENV, "").strip()
+        scale_dim = -1
+        if config.quant_type == "fp8_blockwise" and raw_sd:
+            scale_dim = int(raw_sd) if raw_sd.lstrip("-").isdigit() else -2
+        raw_chunk = os.environ.get(tuning.MORI_EP_PUSH_CHUNK.name, "").strip()
+        chunk = int(raw_chunk) if raw_chunk.isdigit() else (0 if not raw_chunk else -2)
+        values = [
+            config.world_size,
+            config.hidden_dim,
+            config.scale_dim,
+            config.scale_type_size,
+            config.max_token_type_size,
+            config.max_num_inp_token_per_rank,
+            config.num_experts_per_rank,
+            config.num_experts_per_token,
+            config.max_total_recv_tokens,
+            int(config.use_external_inp_buf),
+            int(config.kernel_type),
+            config.gpu_per_node,
+            QUANT_TYPES.index(config.quant_type),
+            config.block_num,
+            config.warp_num_per_block,
+            scale_dim,
+            chunk,
+            int(kernels_requested(self._agree.device, impl)),
+        ]
+        err = self._exchange(func, "config", agreement.CONFIG_FIELDS, 0, values, barrier=True)
+        if err is not None:
+            shmem.mori_shmem_free_tensor(self._agree)  # (every rank raises here: the free is collective)
+            raise err
+
+    def _post_call_words(self, row: int, values: Sequence[int]) -> None:
+        """Write this call's words into every peer's agreement table (before the ready signal)."""
+        words = torch.tensor(values, dtype=torch.int64, device=self._agree.device)
+        for peer in self._p_agree:
+            peer[row, self.rank, : len(values)] = words
+
+    def _exchange(
+        self,
+        func: str,
+        what: str,
+        fields: Sequence[agreement.Field],
+        row: int,
+        values: Sequence[int],
+        *,
+        barrier: bool,
+    ) -> MoriValueError | None:
+        """``barrier``: post ``values``, synchronise and compare (the constructor); otherwise only
+        compare the words the peers posted before a ready signal this rank has waited for."""
+        if barrier:
+            self._post_call_words(row, values)
+            if self._agree.device.type == "cuda":
+                torch.cuda.synchronize(self._agree.device)
+            shmem.shmem_barrier_all()
+        return agreement.mismatch(func, what, fields, self._agree[row].cpu(), self.rank)
 
     # -- sizes -----------------------------------------------------------------------------------
 
@@ -621,10 +742,25 @@ class EpDispatchCombineOp:
         n, h = input.shape
         self._disp_epoch += 1
         counter = 2 * w + self._disp_epoch % 2
+        # this call's words (dtype, hidden size, ...) go with the ready signal and are compared
+        # after it, before any row moves
+        row = 1 + self._disp_epoch % 2
+        self._post_call_words(row, _dispatch_words(input, weights, scales, routing))
         # our receive buffers are free again (their last outputs are given up by this call); a
         # peer writes into ours only after we said so
         self._signal_all(2 * w + 2)
         self._wait_all("EpDispatchCombineOp.dispatch", 2 * w + 2, self._disp_epoch)
+        err = self._exchange(
+            "EpDispatchCombineOp.dispatch",
+            "each dispatch call's arguments",
+            agreement.DISPATCH_FIELDS,
+            row,
+            (),
+            barrier=False,
+        )
+        if err is not None:
+            self._signal_all(0)  # "done", with nothing sent: the epochs stay in step on every rank
+            raise err
         nb = h * input.element_size()
         inp_b = input.contiguous().view(torch.uint8)
         sb = 0 if scales is None else scales.shape[1] * scales.element_size()
@@ -700,6 +836,11 @@ class EpDispatchCombineOp:
         if self._kern is not None:
             routing = pend["routing"]
             self._kern.dispatch_recv(routing, pend["count"], launch=self.config.kernel_type == KT.AsyncLL)
+            if not self._kern.is_gpu:  # (on a GPU reading the error word would synchronise)
+                err = self._kern.disagreement(func)
+                if err is not None:
+                    self._last = None  # the call sent nothing: there is no dispatch to combine
+                    raise err
             if routing is not None:
                 self._last = routing
             else:
@@ -835,7 +976,14 @@ class EpDispatchCombineOp:
         if input.shape[0] < total:
             raise bad_value(func, "input.shape[0]", input.shape[0], f">= total_recv = {total}")
         if h > self.config.hidden_dim or h * input.element_size() > self._row_bytes:
-            raise bad_value(func, "input.shape[1]", h, f"at most hidden_dim = {self.config.hidden_dim}")
+            raise bad_value(
+                func,
+                "input.shape[1]",
+                h,
+                f"at most hidden_dim = {self.config.hidden_dim} with elements of at most "
+                f"max_token_type_size = {self.config.max_token_type_size} bytes ({input.dtype} has "
+                f"{input.element_size()})",
+            )
         if input.stride(1) != 1:
             raise bad_value(func, "input.stride()", input.stride(), "rows with contiguous elements")
         if not external and input.data_ptr() != self._comb_inp.data_ptr():
@@ -853,8 +1001,7 @@ class EpDispatchCombineOp:
                     func,
                     "input.shape[1]",
                     h,
-                    f"a multiple of the fp8_blockwise block of {self._quant_block} elements "
-                    f"(hidden_dim / {SCALE_DIM_ENV})",
+                    f"a multiple of the {quant} block of {self._quant_block} elements",
                 )
         if weights is not None:
             weights = self._tensor(func, "weights", weights, (torch.float32,), 2)
@@ -887,12 +1034,20 @@ class EpDispatchCombineOp:
         scales: torch.Tensor | None = None
         if quant == "none":
             inp_b = input[:total].view(torch.uint8)
-        else:  # the wire holds fp8 (one byte per element), plus fp32 block scales for blockwise
+        else:  # the wire holds fp8 (one byte per element) or packed fp4, plus fp32 block scales
             inp_b, scales = self._quantise(input[:total])
-            nb = h
+            nb = h // 2 if quant == "fp4_blockwise" else h
         self._comb_epoch += 1
+        row = 3 + self._comb_epoch % 2
+        self._post_call_words(row, _combine_words(input, weights, external))
         self._signal_all(3 * w + 2)  # our staging buffer is free: the previous combine was summed
         self._wait_all(func, 3 * w + 2, self._comb_epoch)
+        err = self._exchange(
+            func, "each combine call's arguments", agreement.COMBINE_FIELDS, row, (), barrier=False
+        )
+        if err is not None:
+            self._signal_all(w)  # "done", with nothing staged: the epochs stay in step on every rank
+            raise err
         for p in range(w):
             rows = (src_rank == p).nonzero().flatten()
             if rows.numel() == 0:
@@ -922,6 +1077,8 @@ class EpDispatchCombineOp:
         """
         x = rows.float()
         scales = None
+        if self.config.quant_type == "fp4_blockwise":
+            return fp4.quantise(x, self._quant_block)
         if self._quant_block:
             n, h = x.shape
             blocks = x.view(n, h // self._quant_block, self._quant_block)
@@ -956,7 +1113,7 @@ class EpDispatchCombineOp:
         out, out_w = pend["out"], pend["out_w"]
         n, h = handle.num_tokens, out.shape[1]
         quant = self.config.quant_type
-        nb = h * out.element_size() if quant == "none" else h
+        nb = {"none": h * out.element_size(), "fp4_blockwise": h // 2}.get(quant, h)
         acc = torch.zeros(n, h, dtype=torch.float32)
         acc_w = None if out_w is None else torch.zeros(n, self._k, dtype=torch.float32)
         for p in range(self.world_size):  # fixed order: the sum is deterministic
@@ -965,6 +1122,12 @@ class EpDispatchCombineOp:
                 continue
             if quant == "none":
                 rows = _words(nb, self._stage_tok[p])[1][0][toks].view(out.dtype).float()
+            elif quant == "fp4_blockwise":
+                assert self._stage_sc is not None
+                packed = self._stage_tok[p, :, :nb][toks]
+                rows = fp4.dequantise(
+                    packed, self._stage_sc[p, :, : h // self._quant_block][toks], self._quant_block
+                )
             else:  # dequantise the fp8 wire rows (and their block scales) to fp32
                 rows = _words(nb, self._stage_tok[p])[1][0][toks].view(torch.float8_e4m3fn).float()
                 if self._stage_sc is not None:
@@ -980,11 +1143,26 @@ class EpDispatchCombineOp:
 
     # -- introspection ---------------------------------------------------------------------------
 
+    def raise_if_ranks_disagreed(self, func: str = "EpDispatchCombineOp.dispatch") -> None:
+        """Raise the :class:`~mori.core.errors.MoriValueError` naming what the ranks disagreed on
+        in the last dispatch (its dtype, hidden size, scales, weights or replay), if they did.
+
+        The host path and the kernels on the CPU runtime raise from ``dispatch`` itself. On a GPU
+        the kernels detect it without a host synchronisation (they then move no row and report
+        ``total_recv = 0``); this call reads the result, which synchronises the device, as does
+        :meth:`get_dispatch_src_token_pos`, which calls it.
+        """
+        if self._kern is not None:
+            err = self._kern.disagreement(func)
+            if err is not None:
+                raise err
+
     def get_dispatch_src_token_pos(self) -> torch.Tensor:
         """int32 [total_recv]: flat source position ``src_rank * world_size * M + src_tok`` of each
         received row of the last dispatch (decode with :meth:`decode_send_flat_idx`)."""
         if self._last is None or self._pending_dispatch is not None:
             raise MoriStateError("EpDispatchCombineOp.get_dispatch_src_token_pos: no finished dispatch")
+        self.raise_if_ranks_disagreed("EpDispatchCombineOp.get_dispatch_src_token_pos")
         return self._last.recv_src_pos[: self._last.num_recv].clone()
 
     def decode_send_flat_idx(self, pos: Any) -> tuple[Any, Any]:
