@@ -122,6 +122,15 @@ MORI_NODE_ID = EnvVar(
     "rack3-node7",
     str,
 )
+MORI_SHMEM_TRANSPORT = EnvVar(
+    "MORI_SHMEM_TRANSPORT",
+    None,
+    "The network transport that reaches PEs on other nodes (loads and stores cannot): a name "
+    "`mori backends` lists (tcp, ucx, ...). Default: the usable one of highest priority. Every rank "
+    "must choose the same.",
+    "tcp",
+    str,
+)
 MORI_AUTH_TOKEN = EnvVar(
     "MORI_AUTH_TOKEN",
     None,
@@ -186,6 +195,7 @@ ALL: tuple[EnvVar[object], ...] = (
     MORI_NODE_ID,
     MORI_SOCKET_IFNAME,
     MORI_AUTH_TOKEN,
+    MORI_SHMEM_TRANSPORT,
     MORI_DEVICE_RUNTIME,
     MORI_DISABLE_P2P,
     MORI_PRECOMPILE,

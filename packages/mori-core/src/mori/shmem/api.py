@@ -222,6 +222,8 @@ def shmem_buffer_register(ptr: int, size: int) -> int:
                     f"{func}: [{ptr:#x}, +{size}) overlaps the registered buffer [{start:#x}, +{length})"
                 )
         ctx.registered[ptr] = size
+        if ctx.network is not None:  # a source or target of transfers with PEs on other nodes too
+            ctx.network.register_buffer(ptr, size)
     return 0
 
 
@@ -236,6 +238,8 @@ def shmem_buffer_deregister(ptr: int, size: int) -> int:
                 f"{func}: ({ptr!r}, {size!r}) is not a registered buffer (registered: {known})"
             )
         del ctx.registered[ptr]
+        if ctx.network is not None:
+            ctx.network.deregister_buffer(ptr)
     return 0
 
 

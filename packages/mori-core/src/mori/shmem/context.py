@@ -39,7 +39,7 @@ from mori.shmem import layout
 from mori.shmem.heap import HeapAllocator
 
 if TYPE_CHECKING:
-    pass
+    from mori.shmem.network import NetworkPeers
 
 
 class ShmemContext:
@@ -81,6 +81,7 @@ class ShmemContext:
         self.host_barrier_epoch = 0
         self.call_seq = 0
         self.device_context: Any = None
+        self.network: NetworkPeers | None = None
         try:
             self._setup()
         except BaseException:
@@ -127,11 +128,22 @@ class ShmemContext:
                     self.peers[info.rank] = seg
                     self.bases[info.rank] = seg.addr
                     break
+        # PEs that no load/store transport reaches (other nodes) are reached over the network; the
+        # decision is the job's (every PE opens the transport, or none does).
+        unreachable = [p for p in range(self.n_pes) if p != self.my_pe and not self.bases[p]]
+        votes = self.bootstrap.allgather(b"1" if unreachable else b"0", what="shmem reachability")
+        if b"1" in votes:
+            from mori.shmem.network import NetworkPeers
+
+            self.network = NetworkPeers(self)
         # Nobody may unlink (seal) before every peer has mapped.
         self.bootstrap.barrier(what="shmem heap mapping")
         self.segment.seal()
 
     def _teardown(self) -> None:
+        if self.network is not None:
+            self.network.close()
+            self.network = None
         for seg in self.peers:
             if seg is not None:
                 seg.close()
@@ -171,6 +183,16 @@ class ShmemContext:
                 f"[{self.base + layout.USER_OFF:#x}, {self.base + self.heap_size:#x}): pass memory from shmem_malloc"
             )
         return off
+
+    def over_network(self, func: str, pe: int) -> bool:
+        """True if PE ``pe`` is reached over the network transport (no mapping of its heap here);
+        raises, naming why, if it is not reachable at all."""
+        if self.bases[pe]:
+            return False
+        if self.network is not None and pe in self.network.peers:
+            return True
+        self.peer_base(func, pe)  # raises with the reason
+        return False
 
     def peer_base(self, func: str, pe: int) -> int:
         base = self.bases[pe]

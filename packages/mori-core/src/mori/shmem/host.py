@@ -22,7 +22,9 @@ from mori.core.backend import (
     WORD_UINT64,
 )
 from mori.core.errors import MoriTimeoutError, MoriValueError, bad_value
+from mori.core.transport import OP_CSWAP
 from mori.shmem.context import current
+from mori.shmem.network import signed_result, value_bits
 
 #: signal operations for shmem_putmem_signal / shmem_signal_op (values as in the original)
 SIGNAL_SET = 9
@@ -60,12 +62,18 @@ def _nbytes(func: str, nbytes: Any) -> int:
 
 
 def shmem_putmem(dest: int, source: int, nbytes: int, pe: int) -> None:
-    """Copy ``nbytes`` from local ``source`` (heap or registered buffer) to ``dest`` on PE ``pe``."""
+    """Copy ``nbytes`` from local ``source`` (heap or registered buffer) to ``dest`` on PE ``pe``
+    (through the network transport when ``pe`` is on another node)."""
     func = "shmem_putmem"
     ctx = current(func)
     ctx.check_pe(func, pe)
     n = _nbytes(func, nbytes)
-    ctx.runtime.copy(ctx.remote_addr(func, "dest", dest, n, pe), ctx.local_addr(func, "source", source, n), n)
+    src = ctx.local_addr(func, "source", source, n)
+    if ctx.over_network(func, pe):
+        assert ctx.network is not None
+        ctx.network.put(func, pe, ctx.heap_offset(func, "dest", dest, n), src, n)
+        return
+    ctx.runtime.copy(ctx.remote_addr(func, "dest", dest, n, pe), src, n)
 
 
 def shmem_getmem(dest: int, source: int, nbytes: int, pe: int) -> None:
@@ -74,7 +82,12 @@ def shmem_getmem(dest: int, source: int, nbytes: int, pe: int) -> None:
     ctx = current(func)
     ctx.check_pe(func, pe)
     n = _nbytes(func, nbytes)
-    ctx.runtime.copy(ctx.local_addr(func, "dest", dest, n), ctx.remote_addr(func, "source", source, n, pe), n)
+    dst = ctx.local_addr(func, "dest", dest, n)
+    if ctx.over_network(func, pe):
+        assert ctx.network is not None
+        ctx.network.get(func, pe, ctx.heap_offset(func, "source", source, n), dst, n)
+        return
+    ctx.runtime.copy(dst, ctx.remote_addr(func, "source", source, n, pe), n)
 
 
 def shmem_putmem_signal(
@@ -87,7 +100,10 @@ def shmem_putmem_signal(
     func = "shmem_putmem_signal"
     _check_sig_op(func, sig_op)
     shmem_putmem(dest, source, nbytes, pe)
-    current(func).runtime.fence()
+    ctx = current(func)
+    ctx.runtime.fence()
+    if ctx.network is not None:
+        ctx.network.fence()
     shmem_signal_op(sig_addr, signal, sig_op, pe)
 
 
@@ -114,6 +130,12 @@ def _amo(func: str, dest: int, pe: int, op: int, value: int, dtype: Any) -> int:
     code, size = _word(func, dtype)
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad_value(func, "value", value, f"an int that fits {dtype}")
+    if ctx.over_network(func, pe):
+        assert ctx.network is not None
+        _fits(func, value, code, dtype)
+        off = ctx.heap_offset(func, "dest", dest, size)
+        old = ctx.network.atomic(func, pe, off, op, code, value_bits(value, code))
+        return signed_result(old, code)
     addr = ctx.remote_addr(func, "dest", dest, size, pe)
     try:
         return int(ctx.runtime.atomic_rmw(addr, op, code, value))
@@ -153,6 +175,17 @@ def shmem_atomic_compare_swap(dest: int, cond: int, value: int, pe: int, *, dtyp
     ctx = current(func)
     ctx.check_pe(func, pe)
     code, size = _word(func, dtype)
+    if ctx.over_network(func, pe):
+        assert ctx.network is not None
+        for arg, v in (("cond", cond), ("value", value)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise bad_value(func, arg, v, f"an int that fits {dtype}")
+            _fits(func, v, code, dtype)
+        off = ctx.heap_offset(func, "dest", dest, size)
+        old = ctx.network.atomic(
+            func, pe, off, OP_CSWAP, code, value_bits(value, code), value_bits(cond, code)
+        )
+        return signed_result(old, code)
     addr = ctx.remote_addr(func, "dest", dest, size, pe)
     try:
         return int(ctx.runtime.atomic_compare_swap(addr, code, cond, value))
@@ -192,10 +225,27 @@ def shmem_wait_until(
 
 def shmem_fence() -> None:
     """Order this PE's puts: those before reach their targets before those after."""
-    current("shmem_fence").runtime.fence()
+    ctx = current("shmem_fence")
+    ctx.runtime.fence()
+    if ctx.network is not None:
+        ctx.network.fence()
 
 
 def shmem_quiet() -> None:
     """Complete every outstanding put and atomic of this PE (host transfers are already complete
     at return; this is the memory barrier that makes them visible)."""
-    current("shmem_quiet").runtime.fence()
+    shmem_fence()
+
+
+_RANGES = {
+    WORD_INT32: (-(1 << 31), (1 << 31) - 1),
+    WORD_UINT32: (0, (1 << 32) - 1),
+    WORD_INT64: (-(1 << 63), (1 << 63) - 1),
+    WORD_UINT64: (0, (1 << 64) - 1),
+}
+
+
+def _fits(func: str, value: int, code: int, dtype: Any) -> None:
+    lo, hi = _RANGES[code]
+    if not lo <= value <= hi:
+        raise MoriValueError(f"{func}: value {value} does not fit the atomic word (dtype={dtype})")

@@ -1,0 +1,166 @@
+"""PEs that loads and stores cannot reach (other nodes): the host API reaches them through a network
+transport of the one transport contract (:mod:`mori.core.transport`).
+
+At init, if any PE of the job has a peer it cannot map, every PE opens the same network transport
+(``MORI_SHMEM_TRANSPORT``, else the usable one of highest priority: ``ucx`` when installed, else
+the built-in ``tcp``), registers its heap with it and exchanges address, remote key and heap base
+through the bootstrap. Each host call on such a PE is one transport operation, complete (remotely
+visible) when the call returns, as every host transfer is.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from mori.core import env
+from mori.core.backend import NetworkTransport
+from mori.core.errors import MoriBackendError, MoriValueError, format_ranks
+from mori.core.plugins import get_plugins
+from mori.core.transport import (
+    MEM_CUDA,
+    MEM_HOST,
+    TransportEndpoint,
+    TransportInstance,
+    TransportMemory,
+    TransportRemoteKey,
+    open_transport,
+)
+
+if TYPE_CHECKING:
+    from mori.shmem.context import ShmemContext
+
+
+def choose(name: str | None) -> NetworkTransport:
+    """The network transport named ``name`` (MORI_SHMEM_TRANSPORT), or the usable one of highest
+    priority; MoriBackendError naming what was found and why it is unusable."""
+    found = [
+        (f.backend, f.availability)
+        for f in get_plugins().transports()
+        if isinstance(f.backend, NetworkTransport)
+    ]
+    if name:
+        for t, avail in found:
+            if t.name == name:
+                if not avail.usable:
+                    raise MoriBackendError(
+                        f"MORI_SHMEM_TRANSPORT={name!r}: that transport is not usable here: {avail.reason}"
+                    )
+                return t
+        raise MoriValueError(
+            f"MORI_SHMEM_TRANSPORT={name!r} is not allowed; expected one of the network transports found: "
+            + (", ".join(sorted(t.name for t, _ in found)) or "none")
+        )
+    usable = sorted((t for t, avail in found if avail.usable), key=lambda t: -t.priority)
+    if not usable:
+        why = "; ".join(f"{t.name}: {avail.reason}" for t, avail in found) or "none installed"
+        raise MoriBackendError(f"no usable network transport reaches PEs on other nodes ({why})")
+    return usable[0]
+
+
+class NetworkPeers:
+    """The network half of a SHMEM context: one transport instance, the heap registered with it,
+    an endpoint and remote key per PE that loads and stores cannot reach."""
+
+    def __init__(self, ctx: ShmemContext) -> None:
+        self.ctx = ctx
+        self.transport = choose(env.MORI_SHMEM_TRANSPORT.get())
+        self.tp: TransportInstance = open_transport(self.transport.ops(), self.transport.options())
+        rt = ctx.runtime
+        mem_type = MEM_HOST if rt.torch_device == "cpu" else MEM_CUDA
+        device = -1 if rt.device_index is None else rt.device_index
+        self.heap: TransportMemory = self.tp.register(ctx.base, ctx.heap_size, mem_type, device)
+        self.buffers: dict[int, TransportMemory] = {}
+        self.peers: dict[int, tuple[TransportEndpoint, TransportRemoteKey, int]] = {}
+        self.timeout_ms = int(ctx.timeout_s * 1000)
+        me = {
+            "transport": self.tp.name,
+            "address": self.tp.address().hex(),
+            "rkey": self.heap.rkey.hex(),
+            "base": ctx.base,
+        }
+        infos = [
+            json.loads(r)
+            for r in ctx.bootstrap.allgather(json.dumps(me).encode(), what="shmem network exchange")
+        ]
+        names = {i["transport"] for i in infos}
+        if len(names) > 1:
+            by = {n: [r for r, i in enumerate(infos) if i["transport"] == n] for n in names}
+            raise MoriValueError(
+                "PEs chose different network transports: "
+                + "; ".join(f"ranks {format_ranks(rs)}: {n}" for n, rs in sorted(by.items()))
+                + " (set MORI_SHMEM_TRANSPORT to the same name on every rank)"
+            )
+        for pe, info in enumerate(infos):
+            if pe == ctx.my_pe or ctx.bases[pe]:
+                continue
+            ep = self.tp.connect(bytes.fromhex(info["address"]))
+            self.peers[pe] = (ep, ep.unpack_rkey(bytes.fromhex(info["rkey"])), int(info["base"]))
+
+    # -- local memory -------------------------------------------------------------------------------
+
+    def register_buffer(self, ptr: int, size: int) -> None:
+        self.buffers[ptr] = self.tp.register(ptr, size)
+
+    def deregister_buffer(self, ptr: int) -> None:
+        self.buffers.pop(ptr, None)  # deregistered when the last request using it is gone
+
+    def _local(self, addr: int, nbytes: int) -> TransportMemory:
+        if self.heap.addr <= addr and addr + nbytes <= self.heap.addr + self.heap.size:
+            return self.heap
+        for start, mem in self.buffers.items():
+            if start <= addr and addr + nbytes <= start + mem.size:
+                return mem
+        raise MoriValueError(
+            f"address {addr:#x} (+{nbytes}) is not memory registered with the network transport"
+        )
+
+    def _peer(self, func: str, pe: int) -> tuple[TransportEndpoint, TransportRemoteKey, int]:
+        try:
+            return self.peers[pe]
+        except KeyError:
+            raise MoriBackendError(f"{func}: PE {pe} is not reachable over {self.tp.name}") from None
+
+    # -- operations, each complete when it returns --------------------------------------------------
+
+    def put(self, func: str, pe: int, dest_off: int, source: int, nbytes: int) -> None:
+        ep, rk, base = self._peer(func, pe)
+        if nbytes:
+            ep.put(source, self._local(source, nbytes), base + dest_off, rk, nbytes).wait(self.timeout_ms)
+
+    def get(self, func: str, pe: int, source_off: int, dest: int, nbytes: int) -> None:
+        ep, rk, base = self._peer(func, pe)
+        if nbytes:
+            ep.get(dest, self._local(dest, nbytes), base + source_off, rk, nbytes).wait(self.timeout_ms)
+
+    def atomic(self, func: str, pe: int, off: int, op: int, word: int, value: int, compare: int = 0) -> int:
+        ep, rk, base = self._peer(func, pe)
+        req = ep.atomic(op, word, value, compare, base + off, rk)
+        req.wait(self.timeout_ms)
+        return int(req.old)
+
+    def fence(self) -> None:
+        for ep, _, _ in self.peers.values():
+            ep.fence()
+
+    def close(self) -> None:
+        self.peers.clear()
+        self.buffers.clear()
+
+
+def value_bits(value: int, word: int) -> int:
+    """A signed value as the transport's unsigned word bits (two's complement)."""
+    bits = 32 if word in (0, 1) else 64
+    return value & ((1 << bits) - 1)
+
+
+def signed_result(old: int, word: int) -> int:
+    """The transport's unsigned result as the word type's value."""
+    if word == 0:  # int32
+        return old - (1 << 32) if old >= 1 << 31 else old
+    if word == 2:  # int64
+        return old - (1 << 64) if old >= 1 << 63 else old
+    return old
+
+
+__all__ = ["NetworkPeers", "choose", "signed_result", "value_bits"]
