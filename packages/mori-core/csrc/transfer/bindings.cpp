@@ -494,6 +494,10 @@ void register_transfer(py::module_& m) {
             return py::cast(s);
           },
           py::arg("key"), py::arg("uid"), "Finished inbound transfer (initiator key, uid) or None.")
+      .def("notice", &Engine::notice, py::arg("peer_key"), py::arg("uid"), py::arg("total_parts"), py::arg("code"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Tell the peer, one way over an authenticated connection, the inbound status of transfer uid whose "
+           "bytes moved over another path (an RDMA transport); '' or why it could not be sent.")
       .def("route_of", &Engine::route_of, py::arg("peer_key"), py::arg("local_id"), py::arg("remote_cpu"),
            "'tcp+cma' or 'tcp': how bytes to this peer move now; '' if the peer is unknown.")
       .def(

@@ -475,9 +475,9 @@ class Conn : public std::enable_shared_from_this<Conn> {
 
   // A one-way kNotify (the direct path's doorbell, with records that found the ring full): queued
   // for the sender thread, never sent from the caller, never answered.
-  void oneway(std::vector<uint8_t> body) {
+  void oneway(std::vector<uint8_t> body, uint16_t op = kNotify) {
     auto p = std::make_shared<Part>();
-    p->op = kNotify;
+    p->op = op;
     p->body = std::move(body);
     {
       std::lock_guard<std::mutex> g(qmu_);
@@ -520,7 +520,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
  private:
   // Returns false only with nonblocking_start when nothing could be sent without waiting.
   bool send_part(uint64_t id, const Part& p, bool nonblocking_start = false) {
-    if (p.op == kNotify || p.op == kAtomic) {
+    if (p.op == kNotify || p.op == kNotice || p.op == kAtomic) {
       Header n = make_header(p.op);
       n.body_len = uint32_t(p.body.size());
       if (p.op == kAtomic) {
@@ -1778,6 +1778,24 @@ StatusPtr Engine::post(uint16_t op, uint64_t local_id, const std::string& peer_k
     conns[(base + i) % conns.size()]->submit(parts[i]);
   }
   return st;
+}
+
+std::string Engine::notice(const std::string& peer_key, uint64_t uid, uint32_t total_parts, int code) {
+  PeerPtr peer;
+  {
+    std::lock_guard<std::mutex> g(peer_mu_);
+    auto it = peers_.find(peer_key);
+    if (it != peers_.end()) peer = it->second;
+  }
+  if (!peer) return "remote engine '" + peer_key + "' is not registered";
+  std::vector<std::shared_ptr<Conn>> conns;
+  std::shared_ptr<Direct> direct;
+  std::string err = peer_conns(peer, &conns, &direct);
+  if (!err.empty()) return err;
+  NotifyRecord rec{uid, code, std::max<uint32_t>(1, total_parts)};
+  const auto* b = reinterpret_cast<const uint8_t*>(&rec);
+  conns[0]->oneway(std::vector<uint8_t>(b, b + sizeof rec), kNotice);
+  return "";
 }
 
 StatusPtr Engine::post_atomic(const std::string& peer_key, uint64_t remote_id, uint64_t off, int op, int word,

@@ -308,6 +308,10 @@ class Engine {
                  const std::vector<uint64_t>& loffs, const std::vector<uint64_t>& roffs,
                  const std::vector<uint64_t>& sizes, uint64_t uid, bool remote_cpu, uint64_t remote_size);
 
+  // Tells the peer (one way, over an authenticated connection) the inbound status of transfer `uid`
+  // whose bytes moved over another path; "" or why it could not be sent.
+  std::string notice(const std::string& peer_key, uint64_t uid, uint32_t total_parts, int code);
+
   // One atomic on the word at `off` of the peer's region `remote_id` (codes of mori/transport.h);
   // *old receives the word's value before it, once the status succeeded.
   StatusPtr post_atomic(const std::string& peer_key, uint64_t remote_id, uint64_t off, int op, int word, uint64_t value,

@@ -39,6 +39,9 @@ enum MsgType : uint16_t {
   kAuth = 9,
   kAtomic = 10,     // initiator -> target: mem_id, body = AtomicReq; answered by kAtomicAck
   kAtomicAck = 11,  // status; mem_id = the word's value before the operation; body = error message
+  kNotice = 12,     // initiator -> target, one way, any authenticated connection: inbound statuses of
+                    // transfers whose bytes moved over another path (an RDMA transport); body =
+                    // NotifyRecords, credited to the key this connection authenticated
 };
 
 enum MsgFlags : uint32_t {
@@ -126,6 +129,7 @@ inline std::string check_header(const Header& h) {
       if (h.body_len > kMaxText) return "text body too long";
       return "";
     case kNotify:
+    case kNotice:
       if (h.nsegs != 0 || h.payload_len != 0) return "notification with segments or payload";
       if (h.body_len > kMaxText || h.body_len % kNotifyRecordBytes != 0) return "bad notification body";
       if (h.status != 0) return "notification with a status";

@@ -464,6 +464,18 @@ void Engine::serve_requests(int fd, const PeerCred& cred, const std::string& pee
       }
       continue;
     }
+    if (h.type == kNotice) {  // statuses of transfers whose bytes took another path: this connection's own
+      std::lock_guard<std::mutex> in(in_mu_);
+      for (size_t off = 0; off + sizeof(NotifyRecord) <= body.size(); off += sizeof(NotifyRecord)) {
+        NotifyRecord rec;
+        std::memcpy(&rec, body.data() + off, sizeof rec);
+        int code = rec.code;
+        if (code != SUCCESS && (code < ERR_INVALID_ARGS || code > ERR_GPU_OP)) code = ERR_BAD_STATE;
+        record_inbound_locked(peer_key, rec.uid, std::max<uint32_t>(1, rec.total_parts), code,
+                              code == SUCCESS ? "" : "the transfer failed on the initiator (code " + std::to_string(code) + ")");
+      }
+      continue;
+    }
     if (h.type == kAtomic) {  // one word of a region, by this thread's native atomics
       AtomicReq req;
       std::memcpy(&req, body.data(), sizeof req);

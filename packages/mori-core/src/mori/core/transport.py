@@ -32,6 +32,8 @@ from mori.core._core import (
     TransportRemoteKey,
     TransportRequest,
 )
+from mori.core.backend import NetworkTransport
+from mori.core.errors import MoriBackendError, MoriValueError
 
 #: atomic operations and word types (include/mori/transport.h); the same codes as mori.core.backend
 OP_FETCH, OP_SET, OP_ADD, OP_SWAP, OP_AND, OP_OR, OP_XOR, OP_CSWAP = range(8)
@@ -52,6 +54,36 @@ def open_transport(ops: Any, options: str = "") -> TransportInstance:
     transport documents them."""
     instance: TransportInstance = _core.transport_open(ops, options)
     return instance
+
+
+def find_network_transport(name: str | None, setting: str = "the transport name") -> NetworkTransport:
+    """The installed network transport named ``name``, or (``None``) the usable one of highest
+    priority. Errors name ``setting`` (the variable or argument the name came from), what was
+    found, and why a transport is unusable here."""
+    from mori.core.plugins import get_plugins
+
+    found = [
+        (f.backend, f.availability)
+        for f in get_plugins().transports()
+        if isinstance(f.backend, NetworkTransport)
+    ]
+    if name:
+        for t, avail in found:
+            if t.name == name:
+                if not avail.usable:
+                    raise MoriBackendError(
+                        f"{setting}={name!r}: that transport is not usable here: {avail.reason}"
+                    )
+                return t
+        raise MoriValueError(
+            f"{setting}={name!r} is not allowed; expected one of the network transports found: "
+            + (", ".join(sorted(t.name for t, _ in found)) or "none")
+        )
+    usable = sorted((t for t, avail in found if avail.usable), key=lambda t: -t.priority)
+    if not usable:
+        why = "; ".join(f"{t.name}: {avail.reason}" for t, avail in found) or "none installed"
+        raise MoriBackendError(f"no usable network transport ({why})")
+    return usable[0]
 
 
 def include_dir() -> str:
@@ -90,6 +122,7 @@ __all__ = [
     "TransportMemory",
     "TransportRemoteKey",
     "TransportRequest",
+    "find_network_transport",
     "include_dir",
     "open_transport",
 ]

@@ -14,9 +14,7 @@ import json
 from typing import TYPE_CHECKING
 
 from mori.core import env
-from mori.core.backend import NetworkTransport
 from mori.core.errors import MoriBackendError, MoriValueError, format_ranks
-from mori.core.plugins import get_plugins
 from mori.core.transport import (
     MEM_CUDA,
     MEM_HOST,
@@ -24,38 +22,12 @@ from mori.core.transport import (
     TransportInstance,
     TransportMemory,
     TransportRemoteKey,
+    find_network_transport,
     open_transport,
 )
 
 if TYPE_CHECKING:
     from mori.shmem.context import ShmemContext
-
-
-def choose(name: str | None) -> NetworkTransport:
-    """The network transport named ``name`` (MORI_SHMEM_TRANSPORT), or the usable one of highest
-    priority; MoriBackendError naming what was found and why it is unusable."""
-    found = [
-        (f.backend, f.availability)
-        for f in get_plugins().transports()
-        if isinstance(f.backend, NetworkTransport)
-    ]
-    if name:
-        for t, avail in found:
-            if t.name == name:
-                if not avail.usable:
-                    raise MoriBackendError(
-                        f"MORI_SHMEM_TRANSPORT={name!r}: that transport is not usable here: {avail.reason}"
-                    )
-                return t
-        raise MoriValueError(
-            f"MORI_SHMEM_TRANSPORT={name!r} is not allowed; expected one of the network transports found: "
-            + (", ".join(sorted(t.name for t, _ in found)) or "none")
-        )
-    usable = sorted((t for t, avail in found if avail.usable), key=lambda t: -t.priority)
-    if not usable:
-        why = "; ".join(f"{t.name}: {avail.reason}" for t, avail in found) or "none installed"
-        raise MoriBackendError(f"no usable network transport reaches PEs on other nodes ({why})")
-    return usable[0]
 
 
 class NetworkPeers:
@@ -64,7 +36,7 @@ class NetworkPeers:
 
     def __init__(self, ctx: ShmemContext) -> None:
         self.ctx = ctx
-        self.transport = choose(env.MORI_SHMEM_TRANSPORT.get())
+        self.transport = find_network_transport(env.MORI_SHMEM_TRANSPORT.get(), "MORI_SHMEM_TRANSPORT")
         self.tp: TransportInstance = open_transport(self.transport.ops(), self.transport.options())
         rt = ctx.runtime
         mem_type = MEM_HOST if rt.torch_device == "cpu" else MEM_CUDA
@@ -163,4 +135,4 @@ def signed_result(old: int, word: int) -> int:
     return old
 
 
-__all__ = ["NetworkPeers", "choose", "signed_result", "value_bits"]
+__all__ = ["NetworkPeers", "signed_result", "value_bits"]

@@ -12,8 +12,9 @@ from mori.core.errors import MoriValueError, bad_type, bad_value
 
 
 class BackendType(enum.IntEnum):
-    """Data paths. ``TCP`` is built in; ``XGMI`` comes from a GPU plugin; ``RDMA``/``FABRIC`` are
-    not available in this build (``create_backend`` says so)."""
+    """Data paths. ``TCP`` is built in; ``XGMI`` comes from a GPU plugin; ``RDMA`` runs on a network
+    transport (mori-backend-ucx's ``ucx``, or the built-in ``tcp``); ``FABRIC`` is not available in
+    this build (``create_backend`` says so)."""
 
     Unknown = 0
     XGMI = 1
@@ -139,8 +140,10 @@ class TcpBackendConfig:
 
 @dataclass(frozen=True)
 class RdmaBackendConfig:
-    """Settings of the RDMA backend (same fields and defaults as the original; RDMA is not
-    available in this build, the config exists so code written for it constructs)."""
+    """Settings of the RDMA backend (same fields, order and defaults as the original, so code written
+    for it constructs unchanged). ``enable_notification`` is applied; the transport owns its queue
+    pairs, batching, workers and completion polling, so the other fields are accepted and recorded
+    (see :mod:`mori.io.rdma`)."""
 
     qp_per_transfer: int = 1
     post_batch_size: int = -1

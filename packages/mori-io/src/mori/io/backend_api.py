@@ -2,8 +2,10 @@
 
 The engine owns one native backend (``BackendType.TCP``: sockets between any two hosts, plus
 cross-memory attach between processes of one host) and any number of *Python backends*. A Python
-backend is created by :meth:`IOEngine.create_backend`, which imports the module named in
-:data:`BACKEND_MODULES` for the requested type and calls its factory::
+backend is created by :meth:`IOEngine.create_backend`, which imports the module registered under
+the requested type's name in the entry-point group ``mori.io.backends`` (:func:`backend_modules`;
+mori-io registers ``XGMI = mori.io.xgmi`` and ``RDMA = mori.io.rdma``, plugins may add others) and
+calls its factory::
 
     def create_backend(engine: IOEngine, config: object | None) -> Backend: ...
 
@@ -26,8 +28,9 @@ exactly once with ``status.complete(code, message)`` from any thread; ``Wait``/`
 
 Memory registration. :meth:`Backend.on_register_memory` is called for each local registration
 before its descriptor is returned to the user; whatever bytes it returns (an IPC handle, for
-instance) are stored in ``MemoryDesc.ipc_handle`` and travel to peers with ``pack()``. A backend
-must accept sub-ranges: ``desc.data`` may be an offset into a larger allocation.
+instance) are stored in ``MemoryDesc.ipc_handle`` and travel to peers with ``pack()``; with several
+backends' bytes there, a backend reads its own with :func:`mori.io.handles.backend_handle`. A
+backend must accept sub-ranges: ``desc.data`` may be an offset into a larger allocation.
 
 GPU memory over TCP. The native TCP backend can also carry GPU memory through host staging
 buffers: a device plugin installs a ``DeviceCopier`` (``csrc/engine.hpp``: device → host and
@@ -47,9 +50,14 @@ from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from mori.io import EngineDesc, MemoryDesc, TransferStatus
 
-#: which module provides ``create_backend(engine, config)`` for a Python-side backend type
-#: (keyed by ``BackendType`` name); the module is imported on the first ``create_backend`` call
-BACKEND_MODULES: dict[str, str] = {"XGMI": "mori.io.xgmi"}
+
+def backend_modules() -> dict[str, str]:
+    """``BackendType`` name -> the module providing ``create_backend(engine, config)``, from the
+    entry-point group ``mori.io.backends`` (imported on the first ``create_backend`` of that type)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep.value for ep in entry_points(group="mori.io.backends")}
+
 
 Op = Literal["read", "write"]
 
@@ -106,4 +114,4 @@ class Backend(Protocol):
         ...
 
 
-__all__ = ["BACKEND_MODULES", "Backend", "Op"]
+__all__ = ["Backend", "Op", "backend_modules"]

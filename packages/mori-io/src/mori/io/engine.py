@@ -36,7 +36,8 @@ from mori.io._types import (
     XgmiBackendConfig,
     _check_int,
 )
-from mori.io.backend_api import BACKEND_MODULES, Backend, Op
+from mori.io.backend_api import Backend, Op, backend_modules
+from mori.io.handles import pack_handles
 
 _log = logging.getLogger("mori.io")
 
@@ -250,10 +251,10 @@ class IOEngine:
             raise MoriStateError(
                 f"create_backend: a {type.name} backend already exists on engine {self.key!r}"
             )
-        if type in (BackendType.RDMA, BackendType.FABRIC):
+        if type == BackendType.FABRIC:
             raise MoriBackendError(
-                f"create_backend: the {type.name} backend is not available: this build of mori-io has no "
-                f"network transport for it (not built); use BackendType.TCP"
+                "create_backend: the FABRIC backend is not available: it needs UALink scale-up hardware and "
+                "ROCm's fabric allocator, which this build does not support; use BackendType.RDMA or TCP"
             )
         if type == BackendType.Unknown:
             raise bad_value("create_backend", "type", type, "BackendType.TCP or BackendType.XGMI")
@@ -272,9 +273,10 @@ class IOEngine:
             )
             backend: Backend = _TcpBackend(self._native)
         else:
-            if config is not None and not isinstance(config, (XgmiBackendConfig, RdmaBackendConfig)):
-                raise bad_type("create_backend", "config", config, "XgmiBackendConfig or None")
-            module_name = BACKEND_MODULES.get(type.name)
+            want = RdmaBackendConfig if type == BackendType.RDMA else XgmiBackendConfig
+            if config is not None and not isinstance(config, want):
+                raise bad_type("create_backend", "config", config, f"{want.__name__} or None")
+            module_name = backend_modules().get(type.name)
             try:
                 module = importlib.import_module(module_name) if module_name else None
             except ModuleNotFoundError as e:
@@ -282,7 +284,10 @@ class IOEngine:
                     f"create_backend: the {type.name} backend is not installed ({module_name}: {e})"
                 ) from None
             if module is None or not hasattr(module, "create_backend"):
-                raise MoriBackendError(f"create_backend: no module provides the {type.name} backend")
+                raise MoriBackendError(
+                    f"create_backend: no installed module provides the {type.name} backend (entry-point group "
+                    "'mori.io.backends')"
+                )
             backend = module.create_backend(self, config)
             for desc in self._local.values():
                 backend.on_register_memory(desc)
@@ -360,10 +365,13 @@ class IOEngine:
         except MoriValueError as e:
             raise MoriValueError(f"register_memory: {e}") from None
         desc = MemoryDesc(self.key, mid, device_id, "", ptr, size, int(mem_loc), -1, b"")
-        for b in list(self._backends.values()):
+        handles: dict[str, bytes] = {}
+        for t, b in list(self._backends.items()):
             handle = b.on_register_memory(desc)
             if handle:
-                desc = MemoryDesc(**{**desc.__dict__, "ipc_handle": bytes(handle)})
+                handles[t.name] = bytes(handle)
+        if handles:
+            desc = MemoryDesc(**{**desc.__dict__, "ipc_handle": pack_handles(handles)})
         with self._lock:
             self._local[mid] = desc
         return desc

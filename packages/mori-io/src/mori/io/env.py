@@ -114,6 +114,15 @@ MORI_IO_CMA_THREADS = EnvVar(
 )
 
 
+MORI_IO_RDMA_TRANSPORT = EnvVar(
+    "MORI_IO_RDMA_TRANSPORT",
+    None,
+    "The network transport BackendType.RDMA moves bytes with: a name `mori backends` lists. Default "
+    "ucx (mori-backend-ucx: RDMA verbs where NICs exist, TCP and shared memory where not); tcp runs "
+    "the same backend on the built-in transport. Both engines must use the same.",
+    "tcp",
+    str,
+)
 MORI_IO_THP = EnvVar(
     "MORI_IO_THP",
     "0",
@@ -242,6 +251,7 @@ ALL: tuple[EnvVar[object], ...] = (
     MORI_IO_TCP_CONNS_PER_PEER,
     MORI_IO_TCP_CMA,
     MORI_IO_CMA_THREADS,
+    MORI_IO_RDMA_TRANSPORT,
     MORI_IO_THP,
     MORI_IO_THP_COLLAPSE_BYTES,
     MORI_IO_SHORT_SLICE,

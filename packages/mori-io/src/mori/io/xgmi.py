@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 from mori.core.errors import MoriBackendError, MoriTimeoutError, MoriValueError
 from mori.io.env import MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD
+from mori.io.handles import backend_handle
 
 if TYPE_CHECKING:
     from mori.core.gpu.runtime import GpuRuntime
@@ -302,10 +303,11 @@ class XgmiBackend:
             return False
         if remote.engine_key != self.key and self._remote_nodes.get(remote.engine_key) != self.node_id:
             return False  # another node: IPC cannot reach it
-        if local.id not in self._exported or not remote.ipc_handle:
+        remote_handle = backend_handle(remote, "XGMI")
+        if local.id not in self._exported or not remote_handle:
             return False
         try:
-            h = self.runtime.handle_class.unpack(remote.ipc_handle, what="remote MemoryDesc.ipc_handle")
+            h = self.runtime.handle_class.unpack(remote_handle, what="remote MemoryDesc.ipc_handle")
         except MoriValueError:
             return False  # another vendor's handle, or not a GPU segment handle
         return bool(h.addr == remote.data and h.size == remote.size)
@@ -385,12 +387,13 @@ class XgmiBackend:
         """Where ``remote``'s first byte is mapped in this process (opened on first use), whether
         the scatter-gather kernel may touch it, and its token."""
         k = (remote.engine_key, remote.id)
+        handle = backend_handle(remote, "XGMI") or b""
         entry = self._mapped.get(k)
-        if entry is not None and entry[0] == remote.ipc_handle:
+        if entry is not None and entry[0] == handle:
             return int(entry[1].addr), entry[2], entry[3]
         try:
-            h = self.runtime.handle_class.unpack(remote.ipc_handle)
-            seg = self.runtime.open_range(remote.ipc_handle)
+            h = self.runtime.handle_class.unpack(handle)
+            seg = self.runtime.open_range(handle)
         except Exception as e:
             raise MoriBackendError(
                 f"XGMI: cannot map region {remote.id} of engine {remote.engine_key!r}: {e}"
@@ -398,7 +401,7 @@ class XgmiBackend:
         reach = kernel_reaches(h, self._device().pci, self.runtime.pid)
         with self._lock:
             old = self._mapped.pop(k, None)
-            self._mapped[k] = (remote.ipc_handle, seg, reach, self._queue.token())
+            self._mapped[k] = (handle, seg, reach, self._queue.token())
         if old is not None:  # the same region id with another handle: the old mapping goes
             try:
                 self._retire(old[3], f"region {remote.id} of engine {remote.engine_key!r}")
