@@ -107,7 +107,7 @@ def test_host_api_across_two_nodes(transport: str) -> None:
 def test_a_transport_nobody_has_is_named() -> None:
     from mori.testing import RankError
 
-    with pytest.raises(RankError, match="MORI_SHMEM_TRANSPORT=.carrier-pigeon. is not allowed"):
+    with pytest.raises(RankError, match=r"MORI_SHMEM_TRANSPORT=.carrier-pigeon. is not allowed"):
         shmem_ranks(_nothing, 2, env={"MORI_SHMEM_TRANSPORT": "carrier-pigeon"}, before_init=_node_per_rank)
 
 

@@ -159,7 +159,7 @@ def test_create_backend_errors() -> None:
     with IOEngine("be", IOEngineConfig("127.0.0.1", 0)) as e:
         with pytest.raises(MoriBackendError, match="FABRIC backend is not available"):
             e.create_backend(BackendType.FABRIC)
-        with pytest.raises(MoriTypeError, match="config.*RdmaBackendConfig"):
+        with pytest.raises(MoriTypeError, match=r"config.*RdmaBackendConfig"):
             e.create_backend(BackendType.RDMA, XgmiBackendConfig())
         with pytest.raises(MoriValueError, match="type"):
             e.create_backend(BackendType.Unknown)

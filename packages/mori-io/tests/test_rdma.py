@@ -116,7 +116,7 @@ def test_without_notification_the_target_sees_no_status(transport: str) -> None:
 
 
 def test_out_of_range_fails_with_a_status(rdma) -> None:
-    a, b, x, y, mx, my = rdma
+    a, _b, _x, y, mx, my = rdma
     st = a.write(mx, 0, my, my.size - 4, 8, 1)
     assert st.WaitFor(30_000) and st.Code() == StatusCode.ERR_INVALID_ARGS
     forged = MemoryDesc(**{**my.__dict__, "size": my.size * 2})  # lies about its size
