@@ -25,7 +25,6 @@ FACTORY = f"{__name__}:factory"
     "env",
     [
         pytest.param({"UCX_TLS": "tcp"}, id="tcp"),
-        pytest.param({"UCX_TLS": "posix,self"}, id="posix"),
         pytest.param({"UCX_TLS": "sm,self"}, id="sm"),
         pytest.param({}, id="default"),
     ],
