@@ -1,6 +1,7 @@
 // mori_backend_ucx._native: the ucx transport's ops table as a PyCapsule ("mori.transport.v1"),
-// and the few private helpers its Python side needs to load UCX and describe it. No UCX API is
-// bound to Python: everything else goes through the contract (mori.core.transport).
+// and the few private helpers its Python side needs to load UCX and describe it (plus the
+// benchmark's inner loops, bench.cpp). No UCX API is bound to Python: everything else goes
+// through the contract (mori.core.transport).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -15,6 +16,8 @@
 #include "ucx_api.hpp"
 
 namespace py = pybind11;
+
+void register_bench(py::module_& m);  // bench.cpp
 
 namespace {
 
@@ -73,6 +76,7 @@ PYBIND11_MODULE(_native, m) {
       py::arg("options") = "", "(ucp_context_print_info text + memory types + thread mode, error).");
 
   m.def("option_keys", [] { return std::string(mori_ucx::known_option_keys()); });
+  register_bench(m);
   m.attr("ABI") = MORI_TRANSPORT_ABI;
   m.attr("UCX_HEADERS") = std::to_string(UCP_API_MAJOR) + "." + std::to_string(UCP_API_MINOR);
 }

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from mori_backend_ucx import UcxTransport
 
 from mori.core import transport as T
-from mori_backend_ucx import UcxTransport
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,9 @@ def test_bad_option_is_named(ops: Any, options: str, named: str) -> None:
 
 
 def test_good_options_open(ops: Any) -> None:
-    tp = T.open_transport(ops, " tls=tcp ; net_devices=lo;progress_thread=0;connect_timeout_ms=5000;UCX_RNDV_THRESH=64k;")
+    tp = T.open_transport(
+        ops, " tls=tcp ; net_devices=lo;progress_thread=0;connect_timeout_ms=5000;UCX_RNDV_THRESH=64k;"
+    )
     assert tp.name == "ucx" and len(tp.address()) > 64
 
 

@@ -33,9 +33,10 @@ def _rank(rank: int, nranks: int, rdv: str, options: str, with_atomics: bool) ->
 def _side(rank: int, rdv: str, options: str, with_atomics: bool) -> dict[str, Any]:
     import struct
 
+    from mori_backend_ucx import UcxTransport
+
     from mori.core import transport as T
     from mori.core.errors import MoriBackendError, MoriTimeoutError
-    from mori_backend_ucx import UcxTransport
 
     d = Path(rdv)
     tp = T.open_transport(UcxTransport().ops(), options)
@@ -94,9 +95,10 @@ def test_dead_peer_fails_in_bounded_time(options: str, with_atomics: bool) -> No
 
 
 def _atomics_in_peer_mode(rank: int, nranks: int, rdv: str) -> str:
+    from mori_backend_ucx import UcxTransport
+
     from mori.core import transport as T
     from mori.core.errors import MoriBackendError
-    from mori_backend_ucx import UcxTransport
 
     d = Path(rdv)
     tp = T.open_transport(UcxTransport().ops(), "tls=tcp;error_handling=peer")

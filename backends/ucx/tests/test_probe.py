@@ -9,7 +9,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from mori_backend_ucx import UcxTransport
 from mori_backend_ucx.transport import inventory
 
@@ -131,5 +130,8 @@ def test_system_ucx_is_loaded_on_request() -> None:
     libucp, reason = r.stdout.splitlines()[:2]
     assert "libucx" not in libucp and "(system)" in reason
     # a system UCX built with verbs: the reason blames the missing device, not the build
-    if Path(libucp).parent.joinpath("ucx", "libuct_ib.so.0").exists() and not Path("/sys/class/infiniband").is_dir():
+    if (
+        Path(libucp).parent.joinpath("ucx", "libuct_ib.so.0").exists()
+        and not Path("/sys/class/infiniband").is_dir()
+    ):
         assert "no RDMA device on this machine" in reason

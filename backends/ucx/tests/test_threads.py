@@ -19,8 +19,9 @@ CHUNK = 4096
 
 
 def _rank(rank: int, nranks: int, rdv: str, options: str) -> Any:
-    from mori.core import transport as T
     from mori_backend_ucx import UcxTransport
+
+    from mori.core import transport as T
 
     d = Path(rdv)
     tp = T.open_transport(UcxTransport().ops(), options)

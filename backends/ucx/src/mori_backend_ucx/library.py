@@ -31,7 +31,9 @@ class LoadedUcx:
     @property
     def has_verbs_build(self) -> bool:
         """Whether this UCX ships its RDMA verbs module (the PyPI wheels do not)."""
-        return any((Path(self.libucp).parent / "ucx" / name).exists() for name in ("libuct_ib.so.0", "libuct_ib.so"))
+        return any(
+            (Path(self.libucp).parent / "ucx" / name).exists() for name in ("libuct_ib.so.0", "libuct_ib.so")
+        )
 
 
 def _wheel_libraries() -> tuple[list[str], str]:

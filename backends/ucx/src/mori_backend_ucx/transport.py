@@ -10,7 +10,6 @@ from pathlib import Path
 
 from mori.core.backend import Availability, NetworkTransport
 from mori.core.errors import MoriBackendError, MoriValueError
-
 from mori_backend_ucx import _native, library
 from mori_backend_ucx.env import MORI_UCX_OPTIONS
 
@@ -74,7 +73,9 @@ def _why_no_rdma(ucx: library.LoadedUcx) -> str:
 
 class UcxTransport(NetworkTransport):
     name = "ucx"
-    description = "peers on other nodes through UCX: RDMA verbs where UCX has them, else TCP, shared memory, CMA"
+    description = (
+        "peers on other nodes through UCX: RDMA verbs where UCX has them, else TCP, shared memory, CMA"
+    )
     priority = 20
 
     def ops(self) -> object:
@@ -95,7 +96,9 @@ class UcxTransport(NetworkTransport):
             return Availability(False, str(e))
         network = {tl: devs for tl, devs in inv.transports.items() if tl != "self"}
         if not network:
-            return Availability(False, f"UCX {inv.ucx.version} ({inv.ucx.source}) finds no transport but self")
+            return Availability(
+                False, f"UCX {inv.ucx.version} ({inv.ucx.source}) finds no transport but self"
+            )
         listed = ", ".join(
             tl if devs == ["memory"] else f"{tl} ({', '.join(devs)})" for tl, devs in inv.transports.items()
         )
