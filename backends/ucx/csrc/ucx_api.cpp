@@ -1,6 +1,9 @@
 #include "ucx_api.hpp"
 
 #include <dlfcn.h>
+#include <signal.h>
+
+#include <cstdlib>
 
 #include <mutex>
 
@@ -26,8 +29,47 @@ std::string join(const std::vector<std::string>& v) {
   return out;
 }
 
+// libucs installs signal handlers when it is loaded: SIGHUP for its debug mode (UCX_DEBUG_SIGNO)
+// and, with UCX_HANDLE_ERRORS, the error signals. A library must not change the host's signal
+// handling, so whatever changed across the dlopen is put back, unless the user asked UCX for it.
+struct SignalGuard {
+  struct sigaction saved[NSIG];
+  bool keep = std::getenv("UCX_DEBUG_SIGNO") || std::getenv("UCX_ERROR_SIGNALS") || std::getenv("UCX_HANDLE_ERRORS");
+  SignalGuard() {
+    for (int s = 1; s < NSIG; ++s) sigaction(s, nullptr, &saved[s]);
+  }
+  ~SignalGuard() {
+    if (keep) return;
+    for (int s = 1; s < NSIG; ++s) {
+      struct sigaction now {};
+      if (sigaction(s, nullptr, &now) != 0) continue;
+      if (now.sa_handler != saved[s].sa_handler || now.sa_flags != saved[s].sa_flags) sigaction(s, &saved[s], nullptr);
+    }
+  }
+};
+
+// libucs, when loaded, initialises UCX's memory hooks (UCM), which patch the process's mmap,
+// munmap, brk, madvise, shmat... in libc's own code (binary instrumentation) to feed UCX's
+// registration caches. A library must not rewrite its host's libc, so unless the user asked
+// (UCX_MEM_EVENTS set), UCM is loaded with UCX_MEM_EVENTS=n: set only across the dlopen, then
+// removed again. UCX then registers memory without those caches: correct, and what an explicit
+// ucp_mem_map needs anyway.
+struct MemEventsGuard {
+  bool set = false;
+  explicit MemEventsGuard(UcxApi& a) {
+    if (std::getenv("UCX_MEM_EVENTS")) return;
+    set = setenv("UCX_MEM_EVENTS", "n", 0) == 0;
+    a.ucm_events_disabled = set;
+  }
+  ~MemEventsGuard() {
+    if (set) unsetenv("UCX_MEM_EVENTS");
+  }
+};
+
 std::string try_load(const std::vector<std::string>& libraries, UcxApi& a) {
   if (libraries.empty()) return "no UCX library to load was named";
+  SignalGuard signals;
+  MemEventsGuard mem_events(a);
   void* ucp = nullptr;
   for (const auto& lib : libraries) {
     // RTLD_LOCAL: UCX's symbols stay out of the global namespace, so another UCX in the process

@@ -17,6 +17,7 @@ struct UcxApi {
   unsigned major = 0, minor = 0, release = 0;  // of the library loaded, not of the headers
   std::string libucp_path;                     // the file libucp came from (dladdr)
   std::string libucs_path;
+  bool ucm_events_disabled = false;  // we turned UCX's memory hooks off (UCX_MEM_EVENTS unset)
 };
 
 // The loaded API, or nullptr before a successful load().
