@@ -1,12 +1,13 @@
-"""Microbenchmark of the ucx transport between two processes on this host, with memcpy measured
-in the same run as the baseline.
+"""Microbenchmark of the ucx transport between two processes on this host, with two baselines
+measured in the same run: local memcpy, and mori-core's built-in ``tcp`` transport (what a user
+has without this plugin) through the same loops.
 
     python backends/ucx/bench/ucx_bench.py [--options "tls=..."] [--trials 7] [--json out.json]
 
-The loops are native (``mori_backend_ucx._native.Bench``: the transport's ops table called from
+The loops are native (``mori_backend_ucx._native.Bench``: a transport's ops table called from
 C++), so what is timed is the transport, not Python's cost per call.
 
-- put bandwidth: for each size (4 KiB .. 64 MiB) enough puts to move >= 256 MiB (at least 4),
+- put bandwidth (ucx and tcp, interleaved): for each size (4 KiB .. 64 MiB) enough puts to move >= 256 MiB (at least 4),
   back to back, then one flush; GB/s = bytes / time of the whole batch;
 - memcpy: the same number of copies of the same size, locally, between two buffers;
 - latency: one 8-byte put, waited for, then a flush, waited for; per iteration.
@@ -21,6 +22,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import queue
 import statistics
 import subprocess
 from typing import Any
@@ -30,18 +32,24 @@ MAX = SIZES[-1]
 VOLUME = 256 << 20
 
 
-def _bench(options: str) -> Any:
+def _benches(options: str) -> dict[str, Any]:
+    """One bench per transport: ucx with ``options``, and the built-in tcp on loopback."""
     from mori_backend_ucx import UcxTransport, _native
 
-    UcxTransport().ops()  # loads UCX
-    return _native.Bench(options, MAX)
+    from mori.core.backends.tcp import TcpTransport
+
+    return {
+        "ucx": _native.Bench(UcxTransport().ops(), options, MAX),
+        "tcp": _native.Bench(TcpTransport().ops(), TcpTransport().options("127.0.0.1"), MAX),
+    }
 
 
 def _target(q_out: Any, q_in: Any, options: str) -> None:
-    b = _bench(options)
-    q_out.put((b.address(), b.rkey(), b.base))
-    q_in.get()  # until the initiator is done; the progress thread serves it meanwhile
-    b.close()
+    benches = _benches(options)
+    q_out.put({name: (b.address(), b.rkey(), b.base) for name, b in benches.items()})
+    q_in.get()  # until the initiator is done; the progress threads serve it meanwhile
+    for b in benches.values():
+        b.close()
 
 
 def _stats(xs: list[float]) -> dict[str, float]:
@@ -49,30 +57,35 @@ def _stats(xs: list[float]) -> dict[str, float]:
 
 
 def _initiator(q_out: Any, q_in: Any, options: str, trials: int, lat_iters: int) -> None:
-    b = _bench(options)
-    b.connect(*q_in.get())
+    benches = _benches(options)
+    peers = q_in.get()
+    for name, b in benches.items():
+        b.connect(*peers[name])
+    memcpy = benches["ucx"]
     rows = []
     for size in SIZES:
         count = max(4, VOLUME // size)
-        b.put_bandwidth(size, min(count, 64))  # warm up: wire-up, protocol choice, page faults
-        bw, cp = [], []
-        for _ in range(trials):
-            bw.append(size * count / b.put_bandwidth(size, count) / 1e9)
-            cp.append(size * count / b.memcpy_bandwidth(size, count) / 1e9)
-        ratio = [p / c for p, c in zip(bw, cp, strict=True)]
-        rows.append(
-            {
-                "size": size,
-                "count": count,
-                "put_GBps": _stats(bw),
-                "memcpy_GBps": _stats(cp),
-                "ratio": _stats(ratio),
-            }
+        for b in benches.values():
+            b.put_bandwidth(size, min(count, 64))  # warm up: wire-up, protocol choice, page faults
+        samples: dict[str, list[float]] = {"ucx": [], "tcp": [], "memcpy": []}
+        for _ in range(trials):  # interleaved, so that load on the machine hits all alike
+            for name, b in benches.items():
+                samples[name].append(size * count / b.put_bandwidth(size, count) / 1e9)
+            samples["memcpy"].append(size * count / memcpy.memcpy_bandwidth(size, count) / 1e9)
+        row: dict[str, Any] = {"size": size, "count": count}
+        row.update({f"{k}_GBps": _stats(v) for k, v in samples.items()})
+        row["ucx_over_memcpy"] = _stats(
+            [u / c for u, c in zip(samples["ucx"], samples["memcpy"], strict=True)]
         )
-    b.put_flush_latency(200)  # warm up
-    lat = [statistics.median(b.put_flush_latency(lat_iters)) for _ in range(trials)]
-    b.close()
-    q_out.put({"rows": rows, "put8_flush_us": _stats(lat), "lat_iters": lat_iters})
+        row["ucx_over_tcp"] = _stats([u / t for u, t in zip(samples["ucx"], samples["tcp"], strict=True)])
+        rows.append(row)
+    latency: dict[str, dict[str, float]] = {}
+    for name, b in benches.items():
+        b.put_flush_latency(200)  # warm up
+        latency[name] = _stats([statistics.median(b.put_flush_latency(lat_iters)) for _ in range(trials)])
+    for b in benches.values():
+        b.close()
+    q_out.put({"rows": rows, "put8_flush_us": latency, "lat_iters": lat_iters})
 
 
 def _size(n: int) -> str:
@@ -88,11 +101,22 @@ def main() -> None:
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     to_init, to_target, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    target = ctx.Process(target=_target, args=(to_init, to_target, args.options))
-    init = ctx.Process(target=_initiator, args=(results, to_init, args.options, args.trials, args.lat_iters))
+    target = ctx.Process(target=_target, args=(to_init, to_target, args.options), name="target")
+    init = ctx.Process(
+        target=_initiator,
+        args=(results, to_init, args.options, args.trials, args.lat_iters),
+        name="initiator",
+    )
     target.start()
     init.start()
-    out = results.get(timeout=1800)
+    out = None
+    while out is None:  # a process that dies says so, the benchmark does not wait for it
+        try:
+            out = results.get(timeout=1)
+        except queue.Empty:
+            dead = [p.name for p in (target, init) if p.exitcode not in (None, 0)]
+            if dead:
+                raise SystemExit(f"ucx_bench: {', '.join(dead)} exited with an error (see above)") from None
     to_target.put("done")
     init.join(60)
     target.join(60)
@@ -118,19 +142,22 @@ def main() -> None:
         **out,
     }
     print(f"{record['benchmark']}\nucx {record['ucx']}; options {record['options']}; {record['machine']}")
-    print(f"median [min, max] over {args.trials} trials")
-    print(f"{'size':>8} | {'put GB/s':>22} | {'memcpy GB/s':>22} | {'put/memcpy':>10}")
+    print(f"put bandwidth, GB/s: median [min, max] over {args.trials} trials")
+    print(f"{'size':>8} | {'ucx':>20} | {'tcp (built in)':>20} | {'memcpy':>20} | ucx/tcp | ucx/memcpy")
     for r in out["rows"]:
-        p, c, q = r["put_GBps"], r["memcpy_GBps"], r["ratio"]
+        cells = [
+            f"{r[k]['median']:6.2f} [{r[k]['min']:5.2f},{r[k]['max']:6.2f}]"
+            for k in ("ucx_GBps", "tcp_GBps", "memcpy_GBps")
+        ]
         print(
-            f"{_size(r['size']):>8} | {p['median']:7.2f} [{p['min']:5.2f}, {p['max']:5.2f}] | "
-            f"{c['median']:7.2f} [{c['min']:5.2f}, {c['max']:5.2f}] | {q['median']:10.2f}"
+            f"{_size(r['size']):>8} | {' | '.join(f'{c:>20}' for c in cells)} | "
+            f"{r['ucx_over_tcp']['median']:7.2f} | {r['ucx_over_memcpy']['median']:10.2f}"
         )
-    lat = out["put8_flush_us"]
-    print(
-        f"8-byte put + flush: {lat['median']:.2f} us [{lat['min']:.2f}, {lat['max']:.2f}] "
-        f"(median of {args.lat_iters} per trial)"
-    )
+    for name, lat in out["put8_flush_us"].items():
+        print(
+            f"8-byte put + flush, {name}: {lat['median']:.2f} us [{lat['min']:.2f}, {lat['max']:.2f}] "
+            f"(median of {args.lat_iters} per trial)"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=2)

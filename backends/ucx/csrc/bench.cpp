@@ -1,5 +1,6 @@
-// The benchmark's inner loops (bench/ucx_bench.py), in C++ so that what is timed is the transport
-// through its ops table, not Python's cost per call. Private: used by the benchmark script only.
+// The benchmark's inner loops (bench/ucx_bench.py), in C++ so that what is timed is a transport
+// through its ops table (ours, or any other's capsule: the built-in tcp as the baseline), not
+// Python's cost per call. Private: used by the benchmark script only.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -52,10 +53,14 @@ mori_tp_req post_put(Bench& b, const void* src, uint64_t raddr, size_t n) {
 }  // namespace
 
 void register_bench(py::module_& m) {
-  py::class_<Bench>(m, "Bench", "Private: one transport instance with one registered buffer, for the benchmark.")
-      .def(py::init([](const std::string& options, size_t size) {
+  py::class_<Bench>(m, "Bench",
+                    "Private: one instance of any transport (its ops capsule) with one registered buffer, for the benchmark.")
+      .def(py::init([](py::capsule ops, const std::string& options, size_t size) {
+             if (std::string(ops.name() ? ops.name() : "") != MORI_TRANSPORT_CAPSULE)
+               throw std::invalid_argument("ops: expected a capsule named " MORI_TRANSPORT_CAPSULE);
              auto b = std::make_unique<Bench>();
-             b->ops = mori_ucx::ops_table();
+             b->ops = ops.get_pointer<const mori_tp_ops>();
+             if (!b->ops || b->ops->abi != MORI_TRANSPORT_ABI) throw std::invalid_argument("ops: not ABI 1");
              mori_tp_error e{};
              b->tp = b->ops->create(options.c_str(), &e);
              if (!b->tp) raise("create", e);
@@ -64,7 +69,7 @@ void register_bench(py::module_& m) {
              if (!b->mem) raise("register", e);
              return b;
            }),
-           py::arg("options"), py::arg("size"))
+           py::arg("ops"), py::arg("options"), py::arg("size"))
       .def("address",
            [](Bench& b) {
              std::string out(4096, '\0');
