@@ -1,8 +1,10 @@
 """The contract's conformance suite (mori.testing.transport_conformance) over each way UCX moves
-bytes on one host: TCP, shared memory (with CMA for large RMA), and UCX's own default choice."""
+bytes on one host: TCP, shared memory (with CMA for large RMA), and UCX's own default choice; and
+over an older system UCX where one is installed."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +21,8 @@ def factory() -> tuple[Any, str]:
 
 
 FACTORY = f"{__name__}:factory"
+#: a UCX installed by the OS (Debian's libucx0 comes with Open MPI): an older UCX, built with verbs
+SYSTEM_UCP = Path("/lib/x86_64-linux-gnu/libucp.so.0")
 
 
 @pytest.mark.parametrize(
@@ -27,6 +31,11 @@ FACTORY = f"{__name__}:factory"
         pytest.param({"UCX_TLS": "tcp"}, id="tcp"),
         pytest.param({"UCX_TLS": "sm,self"}, id="sm"),
         pytest.param({}, id="default"),
+        pytest.param(
+            {"MORI_UCX_LIBRARY": "system", "UCX_TLS": "tcp"},
+            id="system-ucx-tcp",
+            marks=pytest.mark.skipif(not SYSTEM_UCP.exists(), reason=f"no system UCX ({SYSTEM_UCP})"),
+        ),
     ],
 )
 def test_conformance(env: dict[str, str]) -> None:
