@@ -1,0 +1,1 @@
+../../../../packages/mori-core/include/mori/transport.h

@@ -1,0 +1,114 @@
+"""The ``ucx`` transport as MORI's plugins see it: a :class:`NetworkTransport` whose ``ops()`` is
+the native ops table of ``mori/transport.h`` (its options are in mori-backend-ucx's README)."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mori.core.backend import Availability, NetworkTransport
+from mori.core.errors import MoriBackendError, MoriValueError
+from mori_backend_ucx import _native, library
+from mori_backend_ucx.env import MORI_UCX_OPTIONS
+
+#: UCX transports that are RDMA verbs (on InfiniBand or RoCE NICs)
+RDMA_TRANSPORTS = ("rc", "dc", "ud", "srd", "gga")
+
+_RESOURCE = re.compile(r"resource\s+\d+\s*:\s*md\s+\d+\s+dev\s+\d+\s+flags\s+\S+\s+([\w.-]+)/(\S+)")
+
+
+@dataclass(frozen=True)
+class UcxInventory:
+    """What UCX finds on this machine with some options: its transports and their devices."""
+
+    ucx: library.LoadedUcx
+    resources: tuple[tuple[str, str], ...]  # (transport, device), as ucp_context_print_info lists them
+    memory_types: tuple[str, ...]
+    thread_mode: str
+    text: str = field(repr=False)
+
+    @property
+    def transports(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for tl, dev in self.resources:
+            out.setdefault(tl, []).append(dev)
+        return out
+
+    @property
+    def rdma(self) -> dict[str, list[str]]:
+        return {tl: d for tl, d in self.transports.items() if tl.split("_")[0] in RDMA_TRANSPORTS}
+
+
+def inventory(options: str = "") -> UcxInventory:
+    """Load UCX and list what it finds with ``options``; MoriBackendError/MoriValueError if it cannot start."""
+    ucx = library.load()
+    text, error = _native.describe(options)
+    if error:
+        cls = MoriValueError if error.startswith(("option", "unknown option")) else MoriBackendError
+        raise cls(f"ucx transport: {error}")
+    resources = tuple(_RESOURCE.findall(text))
+    memory_types: tuple[str, ...] = ()
+    thread_mode = "?"
+    for line in text.splitlines():
+        if line.startswith("memory_types: "):
+            memory_types = tuple(line.split(": ", 1)[1].split(","))
+        elif line.startswith("thread_mode: "):
+            thread_mode = line.split(": ", 1)[1]
+    return UcxInventory(ucx, resources, memory_types, thread_mode, text)
+
+
+def _why_no_rdma(ucx: library.LoadedUcx) -> str:
+    if not ucx.has_verbs_build:
+        return (
+            "no RDMA: this UCX has no verbs module (the PyPI UCX wheels are built without rdma-core; "
+            "MORI_UCX_LIBRARY=system loads a UCX built with verbs)"
+        )
+    ib = Path("/sys/class/infiniband")
+    if not ib.is_dir() or not any(ib.iterdir()):
+        return "no RDMA device on this machine (/sys/class/infiniband is empty)"
+    return "UCX found no usable RDMA port (check net_devices / UCX_NET_DEVICES)"
+
+
+class UcxTransport(NetworkTransport):
+    name = "ucx"
+    description = (
+        "peers on other nodes through UCX: RDMA verbs where UCX has them, else TCP, shared memory, CMA"
+    )
+    priority = 20
+
+    def ops(self) -> object:
+        library.load()
+        try:
+            return _native.ops()
+        except RuntimeError as e:
+            raise MoriBackendError(f"ucx transport: {e}") from None
+
+    def options(self) -> str:
+        return MORI_UCX_OPTIONS.get() or ""
+
+    def probe(self) -> Availability:
+        options = self.options()
+        try:
+            inv = inventory(options)
+        except (MoriBackendError, MoriValueError) as e:
+            return Availability(False, str(e))
+        network = {tl: devs for tl, devs in inv.transports.items() if tl != "self"}
+        if not network:
+            return Availability(
+                False, f"UCX {inv.ucx.version} ({inv.ucx.source}) finds no transport but self"
+            )
+        listed = ", ".join(
+            tl if devs == ["memory"] else f"{tl} ({', '.join(devs)})" for tl, devs in inv.transports.items()
+        )
+        parts = [f"UCX {inv.ucx.version} ({inv.ucx.source}): {listed}"]
+        rdma = inv.rdma
+        if rdma:
+            parts.append("RDMA: " + ", ".join(f"{tl} on {', '.join(d)}" for tl, d in rdma.items()))
+        else:
+            parts.append(_why_no_rdma(inv.ucx) + ", so RMA runs over tcp/shared memory/cma")
+        if "net_devices=" not in options and not os.environ.get("UCX_NET_DEVICES"):
+            parts.append("network transports listen on loopback only (set net_devices or UCX_NET_DEVICES)")
+        parts.append(f"memory: {','.join(inv.memory_types)}")
+        return Availability(True, "; ".join(parts))
