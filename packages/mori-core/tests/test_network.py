@@ -97,7 +97,19 @@ def _host_api(rank: int, nranks: int) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("transport", ["tcp"])
+def _network_transports() -> list[str]:
+    from mori.core.transport import find_network_transport
+
+    out = ["tcp"]
+    try:  # mori-backend-ucx, when installed and usable here
+        find_network_transport("ucx")
+        out.append("ucx")
+    except Exception:
+        pass
+    return out
+
+
+@pytest.mark.parametrize("transport", _network_transports())
 def test_host_api_across_two_nodes(transport: str) -> None:
     got = shmem_ranks(_host_api, 4, env={"MORI_SHMEM_TRANSPORT": transport}, before_init=_on_node)
     assert all(r["transport"] == transport for r in got)
