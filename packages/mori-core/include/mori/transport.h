@@ -27,6 +27,19 @@
  *     posted after it (put-with-signal = put, fence, atomic);
  *   - atomics are atomic with respect to each other and to the target's own native atomics on the
  *     same word (MORI_TP_CAP_ATOMIC_NATIVE), or only to each other (without that capability).
+ *
+ * Results and lifetimes:
+ *   - an atomic's *old is written by the test() or wait() call that reports the request done, never
+ *     later (the caller's storage need not outlive that call); a 32-bit old value is sign-extended
+ *     for MORI_TP_WORD_INT32 and zero-extended for MORI_TP_WORD_UINT32;
+ *   - a request is released by the test() or wait() that reports it done or failed; one never
+ *     tested holds its slot until destroy (implementations bound their request tables and say so);
+ *   - dereg() comes after every operation on that memory completed, release_rkey() after every
+ *     operation with that key, disconnect() after every operation on that endpoint, destroy() last;
+ *   - fence(tp, NULL) is not allowed (fence orders one endpoint's operations).
+ *
+ * Progress: a target never calls the transport to let peers reach its memory; an implementation
+ * whose library needs the target's progress (emulated RMA, software atomics) runs its own thread.
  */
 #ifndef MORI_TRANSPORT_H
 #define MORI_TRANSPORT_H

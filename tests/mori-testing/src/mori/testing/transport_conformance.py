@@ -6,7 +6,8 @@ instance, register a buffer, exchange addresses and keys through files, and chec
 put and get of sizes from 1 byte to 8 MiB at odd offsets, many requests in flight, fence ordering
 (put then flag: a reader that sees the flag sees the data), flush, every atomic on 32- and 64-bit
 words (each rank adding distinct values: exact totals), compare-and-swap, and the errors a caller
-can cause (out-of-range remote address, a key from elsewhere, a peer that went away).
+can cause (out-of-range remote addresses, a malformed key). A peer that goes away is each
+transport's own test (how fast it can tell depends on the transport).
 
 ``env`` (e.g. ``{"UCX_TLS": "tcp"}``) is set in both processes.
 """
