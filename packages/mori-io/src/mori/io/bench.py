@@ -136,6 +136,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cpu: let the TCP backend use cross-memory attach between the two processes (default on)",
     )
     p.add_argument(
+        "--backend",
+        choices=["tcp", "rdma"],
+        default="tcp",
+        help="cpu: the mori backend measured: tcp (the TCP backend) or rdma (BackendType.RDMA on its network "
+        "transport, MORI_IO_RDMA_TRANSPORT, default ucx)",
+    )
+    p.add_argument(
         "--buffers",
         choices=["pages", "huge"],
         default="pages",
@@ -327,11 +334,15 @@ def _fmt(x: float, digits: int = 2) -> str:
 # -- CPU: the two processes ------------------------------------------------------------------------------
 
 
-def _make_engine(key: str, cma: bool) -> Any:
-    from mori.io import BackendType, IOEngine, IOEngineConfig, TcpBackendConfig
+def _make_engine(key: str, cma: bool, backend: str = "tcp") -> Any:
+    """An engine on loopback with the TCP backend, or (``backend="rdma"``) the RDMA backend on its
+    network transport (``MORI_IO_RDMA_TRANSPORT``, default ucx) and the TCP one beside it."""
+    from mori.io import BackendType, IOEngine, IOEngineConfig, RdmaBackendConfig, TcpBackendConfig
 
     engine = IOEngine(key, IOEngineConfig("127.0.0.1", 0))
     engine.create_backend(BackendType.TCP, TcpBackendConfig(enable_cma=cma))
+    if backend == "rdma":
+        engine.create_backend(BackendType.RDMA, RdmaBackendConfig(enable_notification=False))
     return engine
 
 
@@ -402,7 +413,7 @@ def _target(conn: Any, nbytes: int, cma: bool, use_nixl: bool, env: dict[str, st
 
         buf = cpu_buffer(nbytes, buffers)
         buf.copy_(torch.arange(nbytes, dtype=torch.int64).remainder_(251).to(torch.uint8))
-        engine = _make_engine("bench-target", cma)
+        engine = _make_engine("bench-target", cma, os.environ.get("MORI_BENCH_IO_BACKEND", "tcp"))
         desc = engine.register_torch_tensor(buf)
         why = _nixl_missing() if use_nixl else "disabled (--nixl off)"
         agent: Any = None
@@ -591,7 +602,7 @@ class _CpuInitiator:
         gen = torch.Generator().manual_seed(7)
         self.buf = cpu_buffer(nbytes, args.buffers)
         self.buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen))
-        self.engine = _make_engine("bench-initiator", args.tcp_cma == "on")
+        self.engine = _make_engine("bench-initiator", args.tcp_cma == "on", args.backend)
         self.local = self.engine.register_torch_tensor(self.buf)
         self.remote = MemoryDesc.unpack(hello["mem"])
         self.engine.register_remote_engine(EngineDesc.unpack(hello["engine"]))
@@ -764,7 +775,7 @@ def markdown_table(rows: Sequence[dict[str, Any]], baseline: str, baseline_key: 
 
 def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     nbytes = args.max_bytes
-    env: dict[str, str] = {}
+    env: dict[str, str] = {"MORI_BENCH_IO_BACKEND": args.backend}  # the target's engine gets the same backend
     log_dir = tempfile.mkdtemp(prefix="mori-bench-io-ucx-")
     if args.ucx_tls:
         env["UCX_TLS"] = args.ucx_tls
@@ -832,6 +843,7 @@ def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
         "route": route,
         "mode": args.mode,
         "tcp_cma": args.tcp_cma,
+        "backend": args.backend,
         "buffers": args.buffers,
         "huge_page_share": huge,
         "engine_tuning": _manners(),
