@@ -18,7 +18,6 @@ import mori.shmem as shmem
 from mori.core.backend import PeerInfo
 from mori.core.backends.cpu import SEGMENT_PREFIX, CpuRuntime, stale_segments, sweep_stale_segments
 from mori.core.errors import (
-    MoriBackendError,
     MoriOutOfMemoryError,
     MoriStateError,
     MoriTimeoutError,
@@ -248,17 +247,41 @@ def _asymmetric_heap(rank: int, nranks: int, uid: bytes) -> str:
 
 
 def _disable_p2p(rank: int, nranks: int) -> None:
+    import torch
+
+    from mori.shmem.context import current
+
     buf = shmem.shmem_malloc(64)
     peer = (rank + 1) % nranks
-    assert shmem.shmem_ptr_p2p(buf, rank, peer) == 0
+    assert shmem.shmem_ptr_p2p(buf, rank, peer) == 0  # no load/store mapping of the peer
     assert shmem.shmem_ptr_p2p(buf, rank, rank) == buf
-    with pytest.raises(MoriBackendError, match=f"PE {peer} .* is not reachable .*MORI_DISABLE_P2P"):
-        shmem.shmem_putmem(buf, buf, 8, peer)
-    shmem.shmem_barrier_all()  # falls back to the bootstrap for unreachable peers
+    ctx = current("test")
+    assert ctx.network is not None and peer in ctx.network.peers  # the network path instead
+    mine = shmem.shmem_tensor_view(buf, (64,), torch.uint8)
+    mine.fill_(rank + 1)
+    shmem.shmem_barrier_all()
+    shmem.shmem_putmem(buf + 32, buf, 8, peer)  # our first 8 bytes into the peer's [32, 40)
+    shmem.shmem_barrier_all()
+    assert bool((mine[32:40] == peer + 1).all()) and bool((mine[40:] == rank + 1).all())
 
 
-def test_unreachable_peer_gives_zero_and_clear_errors() -> None:
+def test_disable_p2p_takes_the_network_path() -> None:
+    """MORI_DISABLE_P2P forces the proxy/network path, as in the original: no PE maps another's
+    heap, and one-sided calls between them go through the network transport."""
     shmem_ranks(_disable_p2p, 2, env={"MORI_DISABLE_P2P": "1"})
+
+
+def _never_runs(rank: int, nranks: int) -> None:
+    raise AssertionError("init should have failed")
+
+
+def test_unreachable_peers_without_a_network_transport_fail_init_clearly() -> None:
+    """PEs that nothing reaches (no mapping, and the network transport named does not exist) make
+    init fail at once, naming the setting, instead of failing later at a call."""
+    from mori.testing import RankError
+
+    with pytest.raises(RankError, match="MORI_SHMEM_TRANSPORT='none-such' is not allowed"):
+        shmem_ranks(_never_runs, 2, env={"MORI_DISABLE_P2P": "1", "MORI_SHMEM_TRANSPORT": "none-such"})
 
 
 def _own_heap_names(rank: int, nranks: int) -> tuple[list[str], list[str]]:

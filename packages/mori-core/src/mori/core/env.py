@@ -158,7 +158,9 @@ MORI_DEVICE_RUNTIME = EnvVar(
 MORI_DISABLE_P2P = EnvVar(
     "MORI_DISABLE_P2P",
     "0",
-    "Do not use load/store transports between ranks (forces the proxy path; unreachable peers give errors).",
+    "Do not use load/store transports between ranks: every peer is reached through the network "
+    "transport (the original's proxy path; MORI_SHMEM_TRANSPORT picks it). The device API does not "
+    "reach such peers yet.",
     "1",
     parse_bool,
 )
