@@ -190,5 +190,12 @@ UMBP_MASTER_MAX_BATCH = EnvVar(
 UMBP_RPC_TIMEOUT_MS = EnvVar(
     "UMBP_RPC_TIMEOUT_MS", "5000", "Deadline of every call a client makes to the master or a peer.", "2000", _whole(1)
 )
+UMBP_FETCH_TIMEOUT_MS = EnvVar(
+    "UMBP_FETCH_TIMEOUT_MS",
+    "10000",
+    "Milliseconds a get may spend pulling a block from a peer; past it the get fails (the peer's lease is longer).",
+    "3000",
+    _whole(1),
+)
 
 ALL: list[EnvVar[object]] = [v for v in list(globals().values()) if isinstance(v, EnvVar)]
