@@ -111,7 +111,7 @@ class Master:
     def kill(self) -> None:
         if self.proc is not None:
             self.proc.kill()
-            self.proc.wait()
+            self.proc.communicate()
             self.proc = None
 
 
