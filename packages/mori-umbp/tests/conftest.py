@@ -90,7 +90,10 @@ class Master:
         exe = os.environ.get("UMBP_MASTER_BIN") or shutil.which("umbp_master")
         cmd = [exe] if exe else [sys.executable, "-m", "mori.umbp.master.server"]
         self.proc = subprocess.Popen(
-            [*cmd, self.address, str(self.metrics_port)], env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            [*cmd, self.address, str(self.metrics_port)],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
         if not wait_port(self.port):
             err = self.stop()

@@ -30,7 +30,9 @@ def rand_buf(n: int) -> Buf:
     return Buf(n, os.urandom(n))
 
 
-def local_config(dram: int = 4 << 20, ssd_dir: object = None, ssd_capacity: int = 16 << 20) -> umbp.UMBPConfig:
+def local_config(
+    dram: int = 4 << 20, ssd_dir: object = None, ssd_capacity: int = 16 << 20
+) -> umbp.UMBPConfig:
     cfg = umbp.UMBPConfig()
     cfg.dram.capacity_bytes = dram
     cfg.ssd.enabled = ssd_dir is not None

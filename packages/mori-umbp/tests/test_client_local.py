@@ -61,11 +61,15 @@ def test_put_get_round_trip(client: umbp.UMBPClient) -> None:
 
 def test_ranges_round_trip_and_ragged_call_fails_whole(client: umbp.UMBPClient) -> None:
     a, b, c = Buf(4, b"AAAA"), Buf(4, b"BBBB"), Buf(4, b"CCCC")
-    assert client.batch_put_ranges_from_ptr(["r"], [12], [[b.ptr, c.ptr, a.ptr]], [[4, 4, 4]], [[4, 8, 0]]) == [True]
+    assert client.batch_put_ranges_from_ptr(
+        ["r"], [12], [[b.ptr, c.ptr, a.ptr]], [[4, 4, 4]], [[4, 8, 0]]
+    ) == [True]
     prefix, suffix = Buf(4), Buf(4)
     assert client.batch_get_ranges_into_ptr(["r"], [[suffix.ptr, prefix.ptr]], [[4, 4]], [[8, 0]]) == [True]
     assert (prefix.bytes(), suffix.bytes()) == (b"AAAA", b"CCCC")
-    ragged = client.batch_get_ranges_into_ptr(["r", "missing"], [[prefix.ptr], [suffix.ptr]], [[4, 4], [4]], [[0], [0]])
+    ragged = client.batch_get_ranges_into_ptr(
+        ["r", "missing"], [[prefix.ptr], [suffix.ptr]], [[4, 4], [4]], [[0], [0]]
+    )
     assert ragged == [False, False]
     # pieces that leave a hole or run past the object are refused
     assert client.batch_put_ranges_from_ptr(["hole"], [12], [[a.ptr, b.ptr]], [[4, 4]], [[0, 8]]) == [False]
@@ -175,7 +179,10 @@ def test_deeper_prefix_blocks_are_evicted_first() -> None:
     c = umbp.UMBPClient(local_config(dram=64 * 1024))
     keys = [f"d{i}" for i in range(6)]
     bufs = [Buf(8192).fill(i) for i in range(6)]
-    assert c.batch_put_from_ptr_with_depth(keys, [b.ptr for b in bufs], [8192] * 6, [0, 5, 1, 2, 3, 4]) == [True] * 6
+    assert (
+        c.batch_put_from_ptr_with_depth(keys, [b.ptr for b in bufs], [8192] * 6, [0, 5, 1, 2, 3, 4])
+        == [True] * 6
+    )
     assert c.put_from_ptr("new", Buf(8192).ptr, 8192)
     assert c.put_from_ptr("new2", Buf(8192).ptr, 8192)
     assert not c.exists("d1"), "depth 5 is the tail of the prefix: evicted first"

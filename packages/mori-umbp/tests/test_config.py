@@ -70,7 +70,14 @@ def test_every_field_sglang_sets_exists() -> None:
             obj = getattr(obj, p)
         setattr(obj, leaf, getattr(obj, leaf))
     sp = umbp.UMBPStandaloneProcessConfig()
-    for name in ("address", "auto_start", "startup_timeout_ms", "worker_node_address", "worker_node_id", "tags"):
+    for name in (
+        "address",
+        "auto_start",
+        "startup_timeout_ms",
+        "worker_node_address",
+        "worker_node_id",
+        "tags",
+    ):
         assert hasattr(sp, name)
 
 

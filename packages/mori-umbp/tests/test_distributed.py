@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Master
 from helpers import Buf, rand_buf
 
 import mori.umbp as umbp
 import mori.umbp.distributed as dist_mod
+from conftest import Master
 
 
 def node_config(address: str, node_id: str, *, dram: int = 8 << 20, ssd_dir: object = None, cache: bool = True
@@ -136,7 +136,9 @@ def start_owner(master: Master) -> subprocess.Popen[str]:
     return p
 
 
-def test_peer_killed_mid_fetch_gives_an_error_not_a_hang(master: Master, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_peer_killed_mid_fetch_gives_an_error_not_a_hang(
+    master: Master, monkeypatch: pytest.MonkeyPatch
+) -> None:
     owner = start_owner(master)
     reader = umbp.UMBPClient(node_config(master.address, "reader"))
     real_pull = dist_mod.DistributedNode._pull

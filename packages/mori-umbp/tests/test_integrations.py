@@ -30,7 +30,9 @@ class PageFirstHostPool:
 
     layout = "page_first"
 
-    def __init__(self, num_pages: int = 8, page_size: int = 4, layers: int = 2, heads: int = 2, dim: int = 8) -> None:
+    def __init__(
+        self, num_pages: int = 8, page_size: int = 4, layers: int = 2, heads: int = 2, dim: int = 8
+    ) -> None:
         self.page_size = page_size
         self.size = num_pages * page_size
         self.kv_buffer = torch.zeros((2, self.size, layers, heads, dim), dtype=torch.bfloat16)
@@ -122,7 +124,10 @@ def run_vllm_round_trip(tmp_path: Path, **extra: object) -> None:
     manager = spec.get_manager()
     # two KV tensors (say K and V of a layer group), 6 GPU blocks of 4 KiB pages each
     tensors = [torch.randint(-128, 127, (6, 4096), dtype=torch.int8) for _ in range(2)]
-    kv = CanonicalKVCaches([CanonicalKVCacheTensor(t, 4096) for t in tensors], [[CanonicalKVCacheRef(0, 4096), CanonicalKVCacheRef(1, 4096)]])
+    kv = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t, 4096) for t in tensors],
+        [[CanonicalKVCacheRef(0, 4096), CanonicalKVCacheRef(1, 4096)]],
+    )
     worker = OffloadingWorker()
     for src, dst, handler in spec.get_handlers(kv):
         worker.register_handler(src, dst, handler)

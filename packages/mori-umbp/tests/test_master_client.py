@@ -8,8 +8,8 @@ import os
 from collections.abc import Iterator
 
 import pytest
-from conftest import Master, free_port
 
+from conftest import Master, free_port
 from mori.cpp import (
     UMBPClient,
     UMBPConfig,
@@ -253,7 +253,12 @@ def test_match_returns_only_queried_reported_hashes(addr: str) -> None:
     reported, extra = hashes_of("subset-reported", 6), hashes_of("subset-extra", 4)
     with node_client(addr, "subset-node") as c:
         assert c.report_external_kv_blocks(reported, DRAM)
-        got = {h for m in c.match_external_kv(reported[:3] + extra) for hs in m.hashes_by_tier.values() for h in hs}
+        got = {
+            h
+            for m in c.match_external_kv(reported[:3] + extra)
+            for hs in m.hashes_by_tier.values()
+            for h in hs
+        }
         assert got == set(reported[:3])
 
 
@@ -262,8 +267,18 @@ def test_partial_revoke(addr: str) -> None:
     with node_client(addr, "partial-node") as c:
         assert c.report_external_kv_blocks(hs, DRAM)
         assert c.revoke_external_kv_blocks(hs[:4], DRAM)
-        kept = {h for m in mine(c.match_external_kv(hs[4:]), "partial-node") for v in m.hashes_by_tier.values() for h in v}
-        gone = {h for m in mine(c.match_external_kv(hs[:4]), "partial-node") for v in m.hashes_by_tier.values() for h in v}
+        kept = {
+            h
+            for m in mine(c.match_external_kv(hs[4:]), "partial-node")
+            for v in m.hashes_by_tier.values()
+            for h in v
+        }
+        gone = {
+            h
+            for m in mine(c.match_external_kv(hs[:4]), "partial-node")
+            for v in m.hashes_by_tier.values()
+            for h in v
+        }
         assert kept == set(hs[4:]) and gone == set()
 
 

@@ -12,10 +12,10 @@ import uuid
 import grpc
 import msgpack
 import pytest
-from conftest import Master, RedisServer, free_port
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import Master, RedisServer, free_port
 from mori.umbp import UMBPMasterClient, UMBPTierType
 from mori.umbp.master import wire
 
@@ -43,7 +43,9 @@ def test_redis_master_restart_keeps_every_registration_and_index_entry(redis_ser
     m = Master(redis_env(redis_server))
     try:
         node = UMBPMasterClient(m.address, node_id="persist-node", node_address="10.9.9.9")
-        node.register_self(CAPS, peer_address="127.0.0.1:1234", engine_desc=b"engine-bytes", tags=["role=prefill"])
+        node.register_self(
+            CAPS, peer_address="127.0.0.1:1234", engine_desc=b"engine-bytes", tags=["role=prefill"]
+        )
         assert node.heartbeat([(0, "block-a", DRAM, 4096), (0, "block-b", HBM, 8192)])
         q = UMBPMasterClient(m.address)
         q.report_external_kv_blocks("persist-node", ["h1", "h2", "h3"], DRAM)
@@ -54,12 +56,17 @@ def test_redis_master_restart_keeps_every_registration_and_index_entry(redis_ser
         m.start()
         q = UMBPMasterClient(m.address)
         info = q.get_node("persist-node")
-        assert info is not None and info["node_address"] == "10.9.9.9" and info["engine_desc"] == b"engine-bytes"
+        assert (
+            info is not None and info["node_address"] == "10.9.9.9" and info["engine_desc"] == b"engine-bytes"
+        )
         assert info["tags"] == ["role=prefill"] and info["peer_address"] == "127.0.0.1:1234"
         (match,) = q.match_external_kv(["h1", "h2", "h3", "nope"])
         assert match.node_id == "persist-node" and match.peer_address == "127.0.0.1:1234"
         assert set(match.hashes_by_tier[DRAM]) == {"h1", "h2", "h3"} and match.hashes_by_tier[HBM] == ["h1"]
-        assert {e.hash: e.hit_count_total for e in q.get_external_kv_hit_counts(["h1", "h2", "h3"])} == {"h1": 3, "h2": 3}
+        assert {e.hash: e.hit_count_total for e in q.get_external_kv_hit_counts(["h1", "h2", "h3"])} == {
+            "h1": 3,
+            "h2": 3,
+        }
         assert q.route_get(["block-a", "block-b", "block-c"]) == [
             ("persist-node", "127.0.0.1:1234", DRAM, 4096),
             ("persist-node", "127.0.0.1:1234", HBM, 8192),
@@ -145,7 +152,9 @@ def test_prometheus_metrics() -> None:
         q.match_external_kv(["a", "b"])
         with pytest.raises(RuntimeError):
             q.report_external_kv_blocks("n", [], DRAM)
-        text = urllib.request.urlopen(f"http://127.0.0.1:{m.metrics_port}/metrics", timeout=10).read().decode()
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{m.metrics_port}/metrics", timeout=10).read().decode()
+        )
         assert 'umbp_master_rpc_total{code="OK",method="MatchExternalKv"} 1.0' in text
         assert "umbp_master_rpc_seconds_bucket" in text
     finally:
@@ -178,7 +187,9 @@ def test_tables_are_bounded_and_memory_stays_flat_under_a_flood_of_reports() -> 
         # 10 accepted reports fill the index; 50 refused ones must not grow it. 16 MiB of slack
         # covers allocator noise of the gRPC and msgpack buffers (each request is ~40 KiB).
         assert grown < 16 * 1024, f"the master grew {grown} KiB under refused reports"
-        text = urllib.request.urlopen(f"http://127.0.0.1:{m.metrics_port}/metrics", timeout=10).read().decode()
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{m.metrics_port}/metrics", timeout=10).read().decode()
+        )
         assert 'umbp_master_rpc_total{code="RESOURCE_EXHAUSTED",method="ReportExternalKv"} 50.0' in text
     finally:
         m.stop()
@@ -206,7 +217,9 @@ def test_wire_check_accepts_or_raises_wire_error(method: str, msg: object) -> No
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_fuzzed_requests_get_invalid_argument_and_the_master_survives(shared_master: Master, data: st.DataObject) -> None:
+def test_fuzzed_requests_get_invalid_argument_and_the_master_survives(
+    shared_master: Master, data: st.DataObject
+) -> None:
     method = data.draw(st.sampled_from(sorted(wire.SCHEMAS)))
     kind = data.draw(st.sampled_from(["bytes", "msgpack", "fields"]))
     if kind == "bytes":
@@ -220,7 +233,10 @@ def test_fuzzed_requests_get_invalid_argument_and_the_master_survives(shared_mas
         try:
             call(raw, timeout=10)
         except grpc.RpcError as e:
-            assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), (e.code(), e.details())
+            assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), (
+                e.code(),
+                e.details(),
+            )
     assert shared_master.proc is not None and shared_master.proc.poll() is None
     assert UMBPMasterClient(shared_master.address).match_external_kv(["alive?"]) == []
 

@@ -13,7 +13,9 @@ import mori.umbp.ssd as ssd_mod
 from mori.umbp.ssd import HEADER_SIZE, SsdTier
 
 
-def ssd_config(path: Path, *, capacity: int = 16 << 20, segment: int = 1 << 20, strict: bool = True) -> umbp.UMBPSsdConfig:
+def ssd_config(
+    path: Path, *, capacity: int = 16 << 20, segment: int = 1 << 20, strict: bool = True
+) -> umbp.UMBPSsdConfig:
     cfg = umbp.UMBPSsdConfig()
     cfg.storage_dir = str(path)
     cfg.capacity_bytes = capacity

@@ -42,7 +42,9 @@ class Arena:
     def free(self, off: int, n: int) -> None:
         n = self.rounded(n)
         i = bisect.bisect_left(self._starts, off)
-        if i < len(self._starts) and self._starts[i] < off + n or i > 0 and self._starts[i - 1] + self._lengths[i - 1] > off:
+        if (i < len(self._starts) and self._starts[i] < off + n) or (
+            i > 0 and self._starts[i - 1] + self._lengths[i - 1] > off
+        ):
             raise RuntimeError(f"Arena.free: range [{off}, {off + n}) is already free")
         self.used -= n
         merge_prev = i > 0 and self._starts[i - 1] + self._lengths[i - 1] == off

@@ -91,15 +91,24 @@ class UMBPClient:
         self.role = config.resolve_role()
         self._closed = False
         self._dram = DramTier(config.dram, config.eviction.candidate_window)
+        self._hbm: Any = None
         self._ssd: SsdTier | None = None
         self._copy_q: queue.Queue[str | None] | None = None
         self._copy_threads: list[threading.Thread] = []
         self._inflight = 0
         self._registered: dict[int, int] = {}  # ptr -> size
         try:
+            if config.hbm.capacity_bytes > 0:
+                from mori.umbp.hbm import HbmTier
+
+                self._hbm = HbmTier(config.hbm, config.eviction.candidate_window)
             if config.ssd.enabled:
                 self._ssd = SsdTier(config.ssd, read_only=self.role == UMBPRole.SharedSSDFollower)
-            if self.role == UMBPRole.SharedSSDLeader and self._ssd is not None and config.copy_pipeline.async_enabled:
+            if (
+                self.role == UMBPRole.SharedSSDLeader
+                and self._ssd is not None
+                and config.copy_pipeline.async_enabled
+            ):
                 self._copy_q = queue.Queue(maxsize=config.copy_pipeline.queue_depth)
                 for i in range(config.copy_pipeline.worker_threads):
                     t = threading.Thread(target=self._copy_worker, name=f"umbp-copy-{i}", daemon=True)
@@ -138,6 +147,8 @@ class UMBPClient:
             self._node = None
         if self._ssd is not None:
             self._ssd.close()
+        if self._hbm is not None:
+            self._hbm.close()
         self._dram.close()
 
     def __enter__(self) -> UMBPClient:
@@ -150,7 +161,7 @@ class UMBPClient:
         try:
             if not self._closed:
                 self.close()
-        except Exception:  # noqa: BLE001 - nothing may escape a finalizer
+        except Exception:
             pass
 
     def _check_open(self, func: str) -> None:
@@ -171,6 +182,26 @@ class UMBPClient:
             self._ssd.put_many([(key, self._dram.base + e.offset, e.size)])
         if self._node is not None:
             self._node.on_evicted(key, e.size, on_ssd=self._ssd is not None and self._ssd.exists(key))
+
+    def _demote_hbm(self, key: str, e: DramEntry) -> None:
+        """Called (HBM lock held) for an object leaving HBM: it moves down to DRAM."""
+        dram = self._dram
+        with dram.lock:
+            if self._dram.lookup(key) is not None or dram.is_reserved(key):
+                return
+            entry = dram.reserve(key, e.size, e.depth, self._demote)
+        if entry is None:
+            if self._ssd is not None and not self._ssd.read_only:
+                staging = ctypes.create_string_buffer(e.size)
+                self._hbm.copy(ctypes.addressof(staging), self._hbm.base + e.offset, e.size)
+                self._ssd.put_many([(key, ctypes.addressof(staging), e.size)])
+            return
+        self._hbm.copy(dram.base + entry.offset, self._hbm.base + e.offset, e.size)
+        with dram.lock:
+            dram.commit(key)
+        if self._node is not None:
+            self._node.on_evicted(key, e.size, on_ssd=False, tier=UMBPTierType.HBM)
+            self._node.on_stored(key, e.size)
 
     def _copy_worker(self) -> None:
         assert self._copy_q is not None
@@ -212,9 +243,44 @@ class UMBPClient:
     # -- puts ------------------------------------------------------------------------------------------
 
     def _exists_locally(self, key: str) -> bool:
-        return self._dram.lookup(key) is not None or (self._ssd is not None and self._ssd.exists(key))
+        if self._dram.lookup(key) is not None or (self._ssd is not None and self._ssd.exists(key)):
+            return True
+        return self._hbm is not None and self._hbm.lookup(key) is not None
+
+    def _put_hbm(self, key: str, ptr: int, size: int, depth: int) -> bool | None:
+        """Put into the HBM tier; None when the object does not fit there (the caller goes on to DRAM)."""
+        hbm = self._hbm
+        while True:
+            with self._dram.lock:
+                if self._exists_locally(key):
+                    return True
+            with hbm.lock:
+                if hbm.lookup(key) is not None:
+                    return True
+                if hbm.is_reserved(key):
+                    hbm.lock.wait(timeout=1.0)
+                    continue
+                entry = hbm.reserve(key, size, depth, self._demote_hbm)
+            break
+        if entry is None:
+            return None
+        try:
+            hbm.copy(hbm.base + entry.offset, ptr, size)
+        except BaseException:
+            with hbm.lock:
+                hbm.abort(key)
+            raise
+        with hbm.lock:
+            hbm.commit(key)
+        if self._node is not None:
+            self._node.on_stored(key, size, tier=UMBPTierType.HBM)
+        return True
 
     def _put(self, key: str, ptr: int, size: int, depth: int) -> bool:
+        if self._hbm is not None and self.role != UMBPRole.SharedSSDFollower:
+            done = self._put_hbm(key, ptr, size, depth)
+            if done is not None:
+                return done
         dram = self._dram
         while True:
             with dram.lock:
@@ -252,7 +318,9 @@ class UMBPClient:
         self._check_open("put_from_ptr")
         return self._put(check_key(f, key), _check_ptr(f, "ptr", ptr), _check_size(f, "size", size), -1)
 
-    def batch_put_from_ptr(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
+    def batch_put_from_ptr(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> list[bool]:
         """One :meth:`put_from_ptr` per key; one bool per key."""
         return self.batch_put_from_ptr_with_depth(keys, ptrs, sizes, None)
 
@@ -261,7 +329,11 @@ class UMBPClient:
     ) -> list[bool]:
         """As :meth:`batch_put_from_ptr`; ``depths[i]`` is the block's depth in its prefix (0 = first
         block): among the least recently used objects, deeper ones are evicted first."""
-        f = "UMBPClient.batch_put_from_ptr_with_depth" if depths is not None else "UMBPClient.batch_put_from_ptr"
+        f = (
+            "UMBPClient.batch_put_from_ptr_with_depth"
+            if depths is not None
+            else "UMBPClient.batch_put_from_ptr"
+        )
         self._check_open("batch_put_from_ptr")
         if depths is None:
             n = _check_lists(f, keys=keys, ptrs=ptrs, sizes=sizes)
@@ -343,11 +415,27 @@ class UMBPClient:
 
     def _get(self, key: str, ptr: int, size: int, offset: int = -1) -> bool:
         """``offset`` -1: the whole object (``size`` must equal its size); else a byte range of it."""
+        hbm = self._hbm
+        if hbm is not None:
+            with hbm.lock:
+                h = hbm.lookup(key)
+                if h is not None:
+                    if (offset < 0 and h.size != size) or (offset >= 0 and offset + size > h.size):
+                        return False
+                    h.pins += 1
+                    hbm.touch(key)
+            if h is not None:
+                try:
+                    hbm.copy(ptr, hbm.base + h.offset + max(offset, 0), size)
+                finally:
+                    with hbm.lock:
+                        h.pins -= 1
+                return True
         dram = self._dram
         with dram.lock:
             e = dram.lookup(key)
             if e is not None:
-                if offset < 0 and e.size != size or offset >= 0 and offset + size > e.size:
+                if (offset < 0 and e.size != size) or (offset >= 0 and offset + size > e.size):
                     return False
                 e.pins += 1
                 dram.touch(key)
@@ -393,7 +481,9 @@ class UMBPClient:
         self._check_open("get_into_ptr")
         return self._get(check_key(f, key), _check_ptr(f, "ptr", ptr), _check_size(f, "size", size))
 
-    def batch_get_into_ptr(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
+    def batch_get_into_ptr(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> list[bool]:
         f = "UMBPClient.batch_get_into_ptr"
         self._check_open("batch_get_into_ptr")
         _check_lists(f, keys=keys, ptrs=ptrs, sizes=sizes)
@@ -469,6 +559,10 @@ class UMBPClient:
         with self._dram.lock:
             keys = self._dram.keys()
             self._dram.clear()
+        if self._hbm is not None:
+            with self._hbm.lock:
+                keys += self._hbm.keys()
+                self._hbm.clear()
         if self._ssd is not None:
             self._ssd.clear()
         if self._node is not None:
@@ -548,6 +642,10 @@ class UMBPClient:
         """Object counts and bytes per tier."""
         with self._dram.lock:
             out = {"dram_objects": len(self._dram), "dram_used_bytes": self._dram.used_bytes()}
+        if self._hbm is not None:
+            with self._hbm.lock:
+                out["hbm_objects"] = len(self._hbm)
+                out["hbm_used_bytes"] = self._hbm.used_bytes()
         if self._ssd is not None:
             out["ssd_objects"] = len(self._ssd)
             out["ssd_file_bytes"] = self._ssd.file_bytes()

@@ -139,9 +139,9 @@ class UMBPDramConfig:
     @numa_nodes.setter
     def numa_nodes(self, nodes: list[int]) -> None:
         nodes = list(nodes)
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in nodes) or len(set(nodes)) != len(
-            nodes
-        ):
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in nodes) or len(
+            set(nodes)
+        ) != len(nodes):
             raise bad_arg("UMBPDramConfig", "numa_nodes", nodes, "distinct NUMA node ids >= 0")
         self._numa_nodes = nodes
 
@@ -153,6 +153,18 @@ class UMBPDramConfig:
     @numa_node.setter
     def numa_node(self, node: int) -> None:
         self.numa_nodes = [] if node == -1 else [node]
+
+
+@dataclass(slots=True)
+class UMBPHbmConfig:
+    """The HBM tier (this build's addition; the original keeps HBM in its distributed peers):
+    device memory of ``capacity_bytes`` from the GPU runtime ``device_runtime`` (a name from
+    ``mori backends``; ``auto``: the usable GPU runtime of highest priority). 0 bytes: no HBM tier."""
+
+    capacity_bytes: int = 0
+    device_runtime: str = "auto"
+    high_watermark: float = 0.9
+    low_watermark: float = 0.7
 
 
 @dataclass(slots=True)
@@ -280,6 +292,7 @@ class UMBPConfig:
     """Everything a :class:`mori.umbp.UMBPClient` is built from."""
 
     dram: UMBPDramConfig = field(default_factory=UMBPDramConfig)
+    hbm: UMBPHbmConfig = field(default_factory=UMBPHbmConfig)
     ssd: UMBPSsdConfig = field(default_factory=UMBPSsdConfig)
     eviction: UMBPEvictionConfig = field(default_factory=UMBPEvictionConfig)
     copy_pipeline: UMBPCopyPipelineConfig = field(default_factory=UMBPCopyPipelineConfig)
@@ -318,6 +331,10 @@ class UMBPConfig:
             raise bad_arg(f, "dram.hugepage_size", d.hugepage_size, "a power of two")
         _bool(f, "dram.prefault", d.prefault)
         _int(f, "dram.prefault_threads", d.prefault_threads, minimum=1)
+        _int(f, "hbm.capacity_bytes", self.hbm.capacity_bytes)
+        if self.hbm.capacity_bytes:
+            _str(f, "hbm.device_runtime", self.hbm.device_runtime)
+            _watermarks(f, "hbm", self.hbm.high_watermark, self.hbm.low_watermark)
         _bool(f, "ssd.enabled", s.enabled)
         if s.enabled:
             _str(f, "ssd.storage_dir", s.storage_dir)
@@ -353,7 +370,12 @@ class UMBPConfig:
                     raise bad_arg(f, f"distributed.master_config.{name}", value, "a non-empty str")
             _int(f, "distributed.staging_buffer_size", self.distributed.staging_buffer_size, minimum=4096)
             _int(f, "distributed.io_engine.port", self.distributed.io_engine.port)
-            _enum(f, "distributed.cache_remote_admission", self.distributed.cache_remote_admission, CacheRemoteAdmission)
+            _enum(
+                f,
+                "distributed.cache_remote_admission",
+                self.distributed.cache_remote_admission,
+                CacheRemoteAdmission,
+            )
         if self.distributed is not None and self.standalone_process is not None:
             raise UMBPArgumentError(
                 "UMBPConfig: distributed and standalone_process are mutually exclusive; set one of them"

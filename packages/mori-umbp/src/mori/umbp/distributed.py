@@ -24,6 +24,7 @@ the same host and requires the pool's ``UMBP_MASTER_AUTH_TOKEN`` when one is set
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hmac
 import itertools
@@ -110,10 +111,14 @@ class DistributedNode:
             self._server.add_generic_rpc_handlers((self._peer_handler(),))
             port = self._server.add_insecure_port(f"{host}:{cfg.peer_service_port}")
             if port == 0:
-                raise UMBPError(f"UMBPClient: the peer service cannot listen on {host}:{cfg.peer_service_port}")
+                raise UMBPError(
+                    f"UMBPClient: the peer service cannot listen on {host}:{cfg.peer_service_port}"
+                )
             self._server.start()
             self.peer_address = f"{host}:{port}"
-            self.master = UMBPMasterClient(mc.master_address, mc.node_id, mc.node_address, auth_token=self._token)
+            self.master = UMBPMasterClient(
+                mc.master_address, mc.node_id, mc.node_address, auth_token=self._token
+            )
             self._register()
         except BaseException:
             self.close()
@@ -129,10 +134,9 @@ class DistributedNode:
 
     def _descs(self) -> bytes:
         assert self.engine is not None
-        return msgpack.packb(
+        return wire.pack(
             {"engine": self.engine.get_engine_desc().pack(), "pool": self.pool_desc.pack(),
              "staging": self.ssd_staging_desc.pack(), "slot_size": self._slot_size},
-            use_bin_type=True,
         )  # fmt: skip
 
     def _capacities(self) -> dict[UMBPTierType, tuple[int, int]]:
@@ -153,7 +157,10 @@ class DistributedNode:
     def _snapshot(self) -> list[tuple[int, str, UMBPTierType, int]]:
         c = self.client
         with c._dram.lock:
-            events = [(wire.ADD, k, UMBPTierType.DRAM, c._dram._lru[k].size) for k in c._dram.keys()]
+            events = [(wire.ADD, k, UMBPTierType.DRAM, size) for k, size in c._dram.sizes()]
+        if c._hbm is not None:
+            with c._hbm.lock:
+                events += [(wire.ADD, k, UMBPTierType.HBM, size) for k, size in c._hbm.sizes()]
         if c._ssd is not None:
             events += [(wire.ADD, k, UMBPTierType.SSD, loc.size) for k, loc in list(c._ssd._index.items())]
         return events
@@ -193,8 +200,10 @@ class DistributedNode:
     def on_stored(self, key: str, size: int, tier: UMBPTierType = UMBPTierType.DRAM) -> None:
         self._emit(wire.ADD, key, tier, size)
 
-    def on_evicted(self, key: str, size: int, *, on_ssd: bool) -> None:
-        self._emit(wire.REMOVE, key, UMBPTierType.DRAM, size)
+    def on_evicted(
+        self, key: str, size: int, *, on_ssd: bool, tier: UMBPTierType = UMBPTierType.DRAM
+    ) -> None:
+        self._emit(wire.REMOVE, key, tier, size)
         if on_ssd:
             self._emit(wire.ADD, key, UMBPTierType.SSD, size)
 
@@ -264,7 +273,7 @@ class DistributedNode:
         assert self.engine is not None
         try:
             desc = self.engine.register_memory(ptr, size, -1, self._MemLoc.CPU)
-        except Exception as e:  # noqa: BLE001 - the original returns False, the caller falls back
+        except Exception as e:
             log.warning("UMBP node %s: register_memory(0x%x, %d) failed: %s", self.node_id, ptr, size, e)
             return False
         self._registered[ptr] = (size, desc)
@@ -302,8 +311,12 @@ class DistributedNode:
             return serve
 
         methods = {
-            "Resolve": grpc.unary_unary_rpc_method_handler(wrap(self._resolve), response_serializer=wire.pack),
-            "Release": grpc.unary_unary_rpc_method_handler(wrap(self._release), response_serializer=wire.pack),
+            "Resolve": grpc.unary_unary_rpc_method_handler(
+                wrap(self._resolve), response_serializer=wire.pack
+            ),
+            "Release": grpc.unary_unary_rpc_method_handler(
+                wrap(self._release), response_serializer=wire.pack
+            ),
         }
         return grpc.method_handlers_generic_handler(PEER_SERVICE, methods)
 
@@ -341,18 +354,29 @@ class DistributedNode:
                 return {"found": True, "where": "pool", "offset": e.offset, "size": e.size, "lease": lid}
             ssd = c._ssd
             size = ssd.size_of(key) if ssd is not None else None
-            if ssd is None or size is None or size > self._slot_size or not self._free_slots:
+            hbm = c._hbm
+            if size is None and hbm is not None:
+                with hbm.lock:
+                    h = hbm.lookup(key)
+                    size = h.size if h is not None else None
+            if size is None or size > self._slot_size or not self._free_slots:
                 return {"found": False, "busy": size is not None}
             slot = self._free_slots.pop()
-        # read the SSD object into the slot outside the lock; the checksum is verified by the read
-        if not ssd.get(key, self._ssd_staging.ptr + slot * self._slot_size, size):
+        # copy the HBM or SSD object into the slot outside the lock (an SSD read checks its checksum)
+        if not c._get(key, self._ssd_staging.ptr + slot * self._slot_size, size):
             with self._lock:
                 self._free_slots.append(slot)
             return {"found": False}
         with self._lock:
             lid = next(self._lease_ids)
             self._leases[lid] = _Lease(None, slot, time.monotonic() + LEASE_MS / 1000)
-        return {"found": True, "where": "staging", "offset": slot * self._slot_size, "size": size, "lease": lid}
+        return {
+            "found": True,
+            "where": "staging",
+            "offset": slot * self._slot_size,
+            "size": size,
+            "lease": lid,
+        }
 
     def _release(self, msg: dict[str, Any]) -> dict[str, Any]:
         lid = msg["lease"]
@@ -368,8 +392,11 @@ class DistributedNode:
         if stub is None:
             ch = grpc.insecure_channel(address, options=[("grpc.enable_retries", 0)])
             stub = {
-                m: ch.unary_unary(f"/{PEER_SERVICE}/{m}", request_serializer=wire.pack,
-                                  response_deserializer=lambda b: wire.unpack(b, 16))  # fmt: skip
+                m: ch.unary_unary(
+                    f"/{PEER_SERVICE}/{m}",
+                    request_serializer=wire.pack,
+                    response_deserializer=lambda b: wire.unpack(b, 16),
+                )
                 for m in ("Resolve", "Release")
             }
             stub["channel"] = ch
@@ -402,7 +429,7 @@ class DistributedNode:
         if route is None:
             return False
         node_id, peer_address, _tier, stored = route
-        if whole and stored != size or not whole and offset + size > stored:
+        if (whole and stored != size) or (not whole and offset + size > stored):
             return False
         md = ((AUTH_METADATA_KEY, self._token),) if self._token else None
         timeout = (env.UMBP_RPC_TIMEOUT_MS.get() or 5000) / 1000
@@ -413,7 +440,14 @@ class DistributedNode:
             stub = self._peer(peer_address)
             res = stub["Resolve"]({"key": key}, timeout=timeout, metadata=md)
         except (grpc.RpcError, UMBPError) as e:
-            log.warning("UMBP node %s: peer %s (%s) did not resolve %r: %s", self.node_id, node_id, peer_address, key, e)
+            log.warning(
+                "UMBP node %s: peer %s (%s) did not resolve %r: %s",
+                self.node_id,
+                node_id,
+                peer_address,
+                key,
+                e,
+            )
             self._forget(node_id)
             return False
         if not res.get("found"):
@@ -424,24 +458,22 @@ class DistributedNode:
             deadline = time.monotonic() + budget_ms / 1000
             ok = self._pull(rdesc, int(res["offset"]) + offset, ptr, size, node_id, deadline)
         finally:
-            try:
+            with contextlib.suppress(grpc.RpcError):  # a lost release: the lease runs out by itself
                 stub["Release"]({"lease": res["lease"]}, timeout=timeout, metadata=md)
-            except grpc.RpcError:
-                pass  # the lease runs out by itself
         if ok and whole and self.cfg.cache_remote_fetches:
             adm = self.cfg.cache_remote_admission
             limit = self.cfg.admission_max_block_bytes
-            if adm == CacheRemoteAdmission.ALWAYS or adm == CacheRemoteAdmission.SIZE and (limit == 0 or size <= limit):
+            if adm == CacheRemoteAdmission.ALWAYS or (
+                adm == CacheRemoteAdmission.SIZE and (limit == 0 or size <= limit)
+            ):
                 self.client._promote(key, ptr, size)
         return ok
 
     def _forget(self, node_id: str) -> None:
         got = self._remote.pop(node_id, None)
         if got is not None and self.engine is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self.engine.deregister_remote_engine(got[0])
-            except Exception:  # noqa: BLE001 - already gone
-                pass
 
     def _wait(self, st: Any, node_id: str, deadline: float) -> bool:
         left_ms = int((deadline - time.monotonic()) * 1000)
@@ -460,14 +492,18 @@ class DistributedNode:
         assert self.engine is not None
         direct = self._registered_for(ptr, size)
         if direct is not None:
-            st = self.engine.read(direct[0], direct[1], rdesc, roff, size, self.engine.allocate_transfer_uid())
+            st = self.engine.read(
+                direct[0], direct[1], rdesc, roff, size, self.engine.allocate_transfer_uid()
+            )
             return self._wait(st, node_id, deadline)
         chunk = self.cfg.staging_buffer_size
         with self._staging_lock:
             done = 0
             while done < size:
                 n = min(chunk, size - done)
-                st = self.engine.read(self.staging_desc, 0, rdesc, roff + done, n, self.engine.allocate_transfer_uid())
+                st = self.engine.read(
+                    self.staging_desc, 0, rdesc, roff + done, n, self.engine.allocate_transfer_uid()
+                )
                 if not self._wait(st, node_id, deadline):
                     return False
                 ctypes.memmove(ptr + done, self._staging.ptr, n)
@@ -501,4 +537,3 @@ class DistributedNode:
         for buf in (self._staging, self._ssd_staging):
             if buf is not None:
                 unmap_host(buf)
-

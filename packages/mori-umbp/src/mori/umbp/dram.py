@@ -31,16 +31,33 @@ class DramEntry:
 
 
 class DramTier:
-    def __init__(self, cfg: UMBPDramConfig, candidate_window: int = 16) -> None:
+    """``region``: ``(base address, bytes, release)`` of memory allocated elsewhere (the HBM tier's
+    device memory); None maps host memory as ``cfg`` says."""
+
+    def __init__(
+        self,
+        cfg: UMBPDramConfig,
+        candidate_window: int = 16,
+        region: tuple[int, int, Callable[[], None]] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.window = candidate_window
+        self.lock = threading.Condition(threading.Lock())
+        self._lru: OrderedDict[str, DramEntry] = OrderedDict()
+        self._release: Callable[[], None] | None = None
+        self.buffer: UMBPHostBuffer
+        if region is not None:
+            self.base, self.capacity, self._release = region
+            self.buffer = UMBPHostBuffer()
+            self._arena = Arena(self.capacity)
+            return
         if cfg.use_shared_memory:
             backing = UMBPHostBufferBacking.AnonymousShm
         elif cfg.use_hugepages:
             backing = UMBPHostBufferBacking.AnonymousHugetlb
         else:
             backing = UMBPHostBufferBacking.Anonymous
-        self.buffer: UMBPHostBuffer = map_host(
+        self.buffer = map_host(
             cfg.capacity_bytes,
             backing,
             hugepage_size=cfg.hugepage_size,
@@ -49,10 +66,7 @@ class DramTier:
         )
         self.base = self.buffer.ptr
         self.capacity = cfg.capacity_bytes
-        self.lock = threading.Condition(threading.Lock())
         self._arena = Arena(cfg.capacity_bytes)
-        #: key -> entry, least recently used first (committed and reserved entries)
-        self._lru: OrderedDict[str, DramEntry] = OrderedDict()
 
     # everything below is called with self.lock held
 
@@ -64,7 +78,9 @@ class DramTier:
         e = self._lru.get(key)
         return e is not None and not e.committed
 
-    def reserve(self, key: str, size: int, depth: int, on_evict: Callable[[str, DramEntry], None]) -> DramEntry | None:
+    def reserve(
+        self, key: str, size: int, depth: int, on_evict: Callable[[str, DramEntry], None]
+    ) -> DramEntry | None:
         """Space for ``key`` (invisible until :meth:`commit`), evicting as needed; None if it cannot fit."""
         need = Arena.rounded(size)
         if need > self.capacity:
@@ -128,6 +144,9 @@ class DramTier:
     def used_bytes(self) -> int:
         return self._arena.used
 
+    def sizes(self) -> list[tuple[str, int]]:
+        return [(k, e.size) for k, e in self._lru.items() if e.committed]
+
     def keys(self) -> list[str]:
         return [k for k, e in self._lru.items() if e.committed]
 
@@ -149,4 +168,7 @@ class DramTier:
     def close(self) -> None:
         self._lru.clear()
         self._arena.reset()
+        if self._release is not None:
+            self._release()
+            self._release = None
         unmap_host(self.buffer)

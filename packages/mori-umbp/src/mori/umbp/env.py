@@ -54,10 +54,19 @@ UMBP_DRAM_HIGH_WM = EnvVar(
     "UMBP_DRAM_HIGH_WM", "0.9", "DRAM fill fraction that starts eviction.", "0.9", _fraction, "(0, 1]"
 )
 UMBP_DRAM_LOW_WM = EnvVar(
-    "UMBP_DRAM_LOW_WM", "0.7", "DRAM fill fraction eviction brings the tier down to.", "0.7", _fraction, "(0, 1]"
+    "UMBP_DRAM_LOW_WM",
+    "0.7",
+    "DRAM fill fraction eviction brings the tier down to.",
+    "0.7",
+    _fraction,
+    "(0, 1]",
 )
 UMBP_DRAM_USE_HUGEPAGES = EnvVar(
-    "UMBP_DRAM_USE_HUGEPAGES", "0", "Back the DRAM tier with huge pages (falls back to normal pages).", "1", _int_or_bool
+    "UMBP_DRAM_USE_HUGEPAGES",
+    "0",
+    "Back the DRAM tier with huge pages (falls back to normal pages).",
+    "1",
+    _int_or_bool,
 )
 UMBP_DRAM_HUGEPAGE_SIZE = EnvVar(
     "UMBP_DRAM_HUGEPAGE_SIZE", "2M", "Huge page size in bytes (a power of two).", "1G", parse_size
@@ -71,10 +80,18 @@ UMBP_DRAM_NUMA_NODE = EnvVar(
     "distinct ids >= 0",
 )
 UMBP_DRAM_NUMA_STRICT = EnvVar(
-    "UMBP_DRAM_NUMA_STRICT", "0", "Fail instead of falling back when the NUMA binding fails.", "1", _int_or_bool
+    "UMBP_DRAM_NUMA_STRICT",
+    "0",
+    "Fail instead of falling back when the NUMA binding fails.",
+    "1",
+    _int_or_bool,
 )
 UMBP_DRAM_PREFAULT = EnvVar(
-    "UMBP_DRAM_PREFAULT", "1", "Touch every DRAM-tier page at start (no page faults on the put path).", "0", _int_or_bool
+    "UMBP_DRAM_PREFAULT",
+    "1",
+    "Touch every DRAM-tier page at start (no page faults on the put path).",
+    "0",
+    _int_or_bool,
 )
 UMBP_DRAM_PREFAULT_THREADS = EnvVar(
     "UMBP_DRAM_PREFAULT_THREADS", "1", "Threads that prefault the DRAM tier.", "4", _whole(1)
@@ -99,7 +116,11 @@ UMBP_SSD_BACKEND = EnvVar(
     "file, spdk, spdk_proxy",
 )
 UMBP_SPDK_NVME_PCI = EnvVar(
-    "UMBP_SPDK_NVME_PCI", None, "NVMe PCI address for SPDK; implies UMBP_SSD_BACKEND=spdk.", "0000:47:00.0", str
+    "UMBP_SPDK_NVME_PCI",
+    None,
+    "NVMe PCI address for SPDK; implies UMBP_SSD_BACKEND=spdk.",
+    "0000:47:00.0",
+    str,
 )
 UMBP_EVICTION_POLICY = EnvVar(
     "UMBP_EVICTION_POLICY", "lru", "Eviction policy of the local tiers.", "lru", choice("lru"), "lru"
@@ -114,7 +135,11 @@ UMBP_ROLE = EnvVar(
     "leader, follower, standalone",
 )
 UMBP_MASTER_ADDRESS = EnvVar(
-    "UMBP_MASTER_ADDRESS", None, "host:port of the master (engines' integrations read it).", "10.0.0.1:15558", str
+    "UMBP_MASTER_ADDRESS",
+    None,
+    "host:port of the master (engines' integrations read it).",
+    "10.0.0.1:15558",
+    str,
 )
 UMBP_MASTER_BIN = EnvVar(
     "UMBP_MASTER_BIN",
@@ -135,7 +160,11 @@ UMBP_NODE_ADDRESS = EnvVar(
     "UMBP_NODE_ADDRESS", None, "This node's address as advertised to peers.", "10.0.0.2", str
 )
 UMBP_CACHE_REMOTE_FETCHES = EnvVar(
-    "UMBP_CACHE_REMOTE_FETCHES", None, "Cache blocks fetched from peers in the local DRAM tier.", "false", parse_bool
+    "UMBP_CACHE_REMOTE_FETCHES",
+    None,
+    "Cache blocks fetched from peers in the local DRAM tier.",
+    "false",
+    parse_bool,
 )
 UMBP_METADATA_BACKEND = EnvVar(
     "UMBP_METADATA_BACKEND",
@@ -146,19 +175,35 @@ UMBP_METADATA_BACKEND = EnvVar(
     "inmemory, redis",
 )
 UMBP_REDIS_URI = EnvVar(
-    "UMBP_REDIS_URI", "redis://127.0.0.1:6379/0", "Redis server of the redis metadata backend.", "redis://10.0.0.9:6379/0", str
+    "UMBP_REDIS_URI",
+    "redis://127.0.0.1:6379/0",
+    "Redis server of the redis metadata backend.",
+    "redis://10.0.0.9:6379/0",
+    str,
 )
 UMBP_REDIS_NAMESPACE = EnvVar(
-    "UMBP_REDIS_NAMESPACE", "umbp", "Key prefix of the master's state in Redis (several pools can share one).", "pool-a", str
+    "UMBP_REDIS_NAMESPACE",
+    "umbp",
+    "Key prefix of the master's state in Redis (several pools can share one).",
+    "pool-a",
+    str,
 )
 UMBP_HEARTBEAT_TTL_SEC = EnvVar(
     "UMBP_HEARTBEAT_TTL_SEC", "10", "Seconds a node stays registered without a heartbeat.", "10", _whole(1)
 )
 UMBP_LEASE_DURATION_SEC = EnvVar(
-    "UMBP_LEASE_DURATION_SEC", "2", "Seconds a routed get protects the key from eviction at the master.", "2", _whole(1)
+    "UMBP_LEASE_DURATION_SEC",
+    "2",
+    "Seconds a routed get protects the key from eviction at the master.",
+    "2",
+    _whole(1),
 )
 UMBP_HIT_INDEX_TTL_SEC = EnvVar(
-    "UMBP_HIT_INDEX_TTL_SEC", "7200", "Seconds a hash's hit count lives without a counted match.", "7200", _whole(1)
+    "UMBP_HIT_INDEX_TTL_SEC",
+    "7200",
+    "Seconds a hash's hit count lives without a counted match.",
+    "7200",
+    _whole(1),
 )
 UMBP_HIT_INDEX_GC_INTERVAL_SEC = EnvVar(
     "UMBP_HIT_INDEX_GC_INTERVAL_SEC", "60", "Seconds between sweeps of expired hit counts.", "60", _whole(1)
@@ -171,7 +216,11 @@ UMBP_HIT_QUERY_MAX_BATCH = EnvVar(
     _whole(1),
 )
 UMBP_MASTER_MAX_NODES = EnvVar(
-    "UMBP_MASTER_MAX_NODES", "4096", "Most nodes the master registers at once (more are refused).", "4096", _whole(1)
+    "UMBP_MASTER_MAX_NODES",
+    "4096",
+    "Most nodes the master registers at once (more are refused).",
+    "4096",
+    _whole(1),
 )
 UMBP_MASTER_MAX_EXTERNAL_KV = EnvVar(
     "UMBP_MASTER_MAX_EXTERNAL_KV",
@@ -188,7 +237,11 @@ UMBP_MASTER_MAX_BATCH = EnvVar(
     _whole(1),
 )
 UMBP_RPC_TIMEOUT_MS = EnvVar(
-    "UMBP_RPC_TIMEOUT_MS", "5000", "Deadline of every call a client makes to the master or a peer.", "2000", _whole(1)
+    "UMBP_RPC_TIMEOUT_MS",
+    "5000",
+    "Deadline of every call a client makes to the master or a peer.",
+    "2000",
+    _whole(1),
 )
 UMBP_FETCH_TIMEOUT_MS = EnvVar(
     "UMBP_FETCH_TIMEOUT_MS",

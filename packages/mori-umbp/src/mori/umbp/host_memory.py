@@ -8,6 +8,7 @@ memory is touched (no ``mlockall``, no madvise of memory we did not map).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import mmap
@@ -21,7 +22,14 @@ from mori.umbp.errors import UMBPError, bad_arg
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -89,7 +97,9 @@ def map_host(
             os.close(fd)
         if addr is None:
             os.unlink(path)
-            raise UMBPError(f"mmap of {length} bytes of shared memory {path} failed: {os.strerror(ctypes.get_errno())}")
+            raise UMBPError(
+                f"mmap of {length} bytes of shared memory {path} failed: {os.strerror(ctypes.get_errno())}"
+            )
         return UMBPHostBuffer(addr, size, length, backing, PAGE_SIZE, path)
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (_MAP_POPULATE if prefault else 0)
     addr = _mmap(length, flags)
@@ -104,10 +114,8 @@ def unmap_host(buf: UMBPHostBuffer) -> None:
         return
     _libc.munmap(buf.ptr, buf.mapped_size)
     if buf.shm_name:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(buf.shm_name)
-        except FileNotFoundError:
-            pass
     buf.ptr = buf.requested_size = buf.mapped_size = buf.actual_alignment = 0
     buf.shm_name = ""
 

@@ -12,6 +12,7 @@ Reports and revokes for unknown or expired nodes are ignored by the master, not 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -89,7 +90,9 @@ class UMBPMasterClient:
     def __init__(self, master_address: str, node_id: str = "", node_address: str = "", *, auth_token: str = "",
                  timeout_s: float | None = None) -> None:  # fmt: skip
         if not isinstance(master_address, str) or not master_address:
-            raise UMBPArgumentError(f"UMBPMasterClient: master_address={master_address!r} must be a 'host:port' str")
+            raise UMBPArgumentError(
+                f"UMBPMasterClient: master_address={master_address!r} must be a 'host:port' str"
+            )
         self.master_address = master_address
         self.node_id = node_id
         self.node_address = node_address
@@ -146,10 +149,8 @@ class UMBPMasterClient:
                 self._calls.clear()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:  # noqa: BLE001 - nothing may escape a finalizer
-            pass
 
     # -- registration ------------------------------------------------------------------------------
 
@@ -210,21 +211,35 @@ class UMBPMasterClient:
 
     # -- routing ---------------------------------------------------------------------------------
 
-    def route_get(self, keys: Sequence[str], exclude: Sequence[str] = ()) -> list[tuple[str, str, UMBPTierType, int] | None]:
+    def route_get(
+        self, keys: Sequence[str], exclude: Sequence[str] = ()
+    ) -> list[tuple[str, str, UMBPTierType, int] | None]:
         """For each key, ``(node_id, peer_address, tier, size)`` of an alive holder (fastest tier), or None."""
         resp = self._call("RouteGet", {"node_id": self.node_id, "keys": list(keys), "exclude": list(exclude)})
         return [None if r is None else (r[0], r[1], UMBPTierType(r[2]), int(r[3])) for r in resp["routes"]]
 
-    def route_put(self, keys: Sequence[str], sizes: Sequence[int], exclude: Sequence[str] = ()) -> list[tuple[int, str, str]]:
+    def route_put(
+        self, keys: Sequence[str], sizes: Sequence[int], exclude: Sequence[str] = ()
+    ) -> list[tuple[int, str, str]]:
         """Advice for puts: per key ``(outcome, node_id, peer_address)``; outcome 1 routed, 2 exists, 0 no room."""
         resp = self._call(
-            "RoutePut", {"node_id": self.node_id, "keys": list(keys), "sizes": [int(s) for s in sizes], "exclude": list(exclude)}
+            "RoutePut",
+            {
+                "node_id": self.node_id,
+                "keys": list(keys),
+                "sizes": [int(s) for s in sizes],
+                "exclude": list(exclude),
+            },
         )
         return [(int(r[0]), r[1], r[2]) for r in resp["routes"]]
 
     def batch_lookup(self, keys: Sequence[str]) -> list[bool]:
         """Whether an alive node holds each key (no lease, no access recorded)."""
         return [bool(x) for x in self._call("Lookup", {"keys": list(keys)})["found"]]
+
+    def ping(self) -> None:
+        """One round trip that touches no master state (raises as every call does when the master is away)."""
+        self._call("Ping", {})
 
     def get_node(self, node_id: str) -> dict[str, Any] | None:
         """The registration of an alive node (``peer_address``, ``engine_desc``, ...), or None."""
@@ -258,10 +273,14 @@ class UMBPMasterClient:
 
     def revoke_all_external_kv_blocks_for_node(self, node_id: str) -> None:
         if not node_id:
-            raise UMBPArgumentError("UMBPMasterClient.revoke_all_external_kv_blocks_for_node: node_id must not be empty")
+            raise UMBPArgumentError(
+                "UMBPMasterClient.revoke_all_external_kv_blocks_for_node: node_id must not be empty"
+            )
         self._call("RevokeAllExternalKvForNode", {"node_id": node_id})
 
-    def match_external_kv(self, hashes: Sequence[str], count_as_hit: bool = False) -> list[UMBPExternalKvNodeMatch]:
+    def match_external_kv(
+        self, hashes: Sequence[str], count_as_hit: bool = False
+    ) -> list[UMBPExternalKvNodeMatch]:
         """One match per alive node holding any of ``hashes``. ``count_as_hit``: every distinct
         matched hash's hit counter goes up by one (unmatched hashes are not counted)."""
         hs = _hashes("UMBPMasterClient.match_external_kv", hashes, allow_empty=True)

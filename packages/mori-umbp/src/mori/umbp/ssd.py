@@ -107,7 +107,9 @@ class SsdTier:
         self._segments: dict[int, _Segment] = {}
         self._active: _Segment | None = None
         self._writing = 0  #: records reserved but not yet published
-        self._pool = ThreadPoolExecutor(max_workers=max(1, min(cfg.io.queue_depth, 8)), thread_name_prefix="umbp-ssd")
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, min(cfg.io.queue_depth, 8)), thread_name_prefix="umbp-ssd"
+        )
         self.dropped_records = 0  #: torn or corrupt records found by scans (a metric)
         os.makedirs(self.dir, exist_ok=True)
         self._scan_all()
@@ -208,14 +210,14 @@ class SsdTier:
                             del self._index[key]
                     os.close(seg.fd)
             for ident in ids:
-                seg = self._segments.get(ident)
-                if seg is None:
+                known = self._segments.get(ident)
+                if known is None:
                     try:
-                        seg = self._open_segment(ident)
+                        known = self._open_segment(ident)
                     except FileNotFoundError:
                         continue
-                    self._segments[ident] = seg
-                self._scan_segment(seg, seg.size, is_last=True)
+                    self._segments[ident] = known
+                self._scan_segment(known, known.size, is_last=True)
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -241,7 +243,7 @@ class SsdTier:
 
     def _reserve(self, record_len: int) -> tuple[_Segment, int]:
         seg = self._active
-        if seg is None or seg.size > 0 and seg.size + record_len > self.cfg.segment_size_bytes:
+        if seg is None or (seg.size > 0 and seg.size + record_len > self.cfg.segment_size_bytes):
             ident = max(self._segments, default=0) + 1
             path = os.path.join(self.dir, f"segment-{ident:08d}.log")
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -307,10 +309,10 @@ class SsdTier:
             self._writing += len(jobs)
 
         def write(job: tuple[int, str, bytes, int, int, _Segment, int]) -> tuple[int, int] | None:
-            i, key, kb, ptr, size, seg, off = job
+            i, _key, kb, ptr, size, seg, off = job
             data = _view(ptr, size)
             crc = zlib.crc32(data, zlib.crc32(kb))
-            parts = [encode_header(kb, size, crc), kb, data]
+            parts: list[bytes | memoryview] = [encode_header(kb, size, crc), kb, data]
             want = HEADER_SIZE + len(kb) + size
             done = os.pwritev(seg.fd, parts, off)
             while done < want:  # short write: finish it

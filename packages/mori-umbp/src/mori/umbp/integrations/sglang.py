@@ -49,7 +49,9 @@ def _bool(key: str, v: Any) -> bool:
         return True
     if t in ("0", "false", "no", "off"):
         return False
-    raise bad_arg("UMBPHiCacheStorage", f"extra_config[{key!r}]", v, "a boolean (true/false, 1/0, yes/no, on/off)")
+    raise bad_arg(
+        "UMBPHiCacheStorage", f"extra_config[{key!r}]", v, "a boolean (true/false, 1/0, yes/no, on/off)"
+    )
 
 
 def _ptr_size(target: Any, size: Any, what: str) -> tuple[int, int]:
@@ -89,15 +91,21 @@ class UMBPHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if "ssd_durability_mode" in extra:
             mode = str(extra["ssd_durability_mode"]).strip().lower()
             if mode not in ("strict", "sync", "relaxed", "async"):
-                raise bad_arg("UMBPHiCacheStorage", "extra_config['ssd_durability_mode']", mode, "strict or relaxed")
-            cfg.ssd.durability.mode = UMBPDurabilityMode.Strict if mode in ("strict", "sync") else UMBPDurabilityMode.Relaxed
+                raise bad_arg(
+                    "UMBPHiCacheStorage", "extra_config['ssd_durability_mode']", mode, "strict or relaxed"
+                )
+            cfg.ssd.durability.mode = (
+                UMBPDurabilityMode.Strict if mode in ("strict", "sync") else UMBPDurabilityMode.Relaxed
+            )
         if cfg.ssd.enabled and (self.tp_size > 1 or self.pp_size > 1):
             cfg.ssd.storage_dir = os.path.join(cfg.ssd.storage_dir, f"pp{self.pp_rank}_tp{self.tp_rank}")
         master = extra.get("master_address") or os.environ.get("UMBP_MASTER_ADDRESS")
         if master:
             d = UMBPDistributedConfig()
             d.master_config.master_address = str(master)
-            node_address = str(extra.get("node_address") or os.environ.get("UMBP_NODE_ADDRESS") or "127.0.0.1")
+            node_address = str(
+                extra.get("node_address") or os.environ.get("UMBP_NODE_ADDRESS") or "127.0.0.1"
+            )
             d.master_config.node_address = node_address
             d.master_config.node_id = str(
                 extra.get("node_id") or f"{node_address}:pp{self.pp_rank}:tp{self.tp_rank}:{os.getpid()}"
@@ -107,7 +115,13 @@ class UMBPHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 d.io_engine.port = int(extra["io_engine_port"]) + self.tp_rank
             cfg.distributed = d
         self.client: UMBPClient | None = UMBPClient(cfg)
-        self.suffix = "" if self.is_mla else f"_{self.tp_rank}" if self.pp_size == 1 else f"_{self.tp_rank}_{self.pp_rank}"
+        self.suffix = (
+            ""
+            if self.is_mla
+            else f"_{self.tp_rank}"
+            if self.pp_size == 1
+            else f"_{self.tp_rank}_{self.pp_rank}"
+        )
         self._registered_ptr = 0
         if mem_pool_host is not None:
             self.register_mem_pool_host(mem_pool_host)
@@ -121,7 +135,12 @@ class UMBPHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                           f"one of {', '.join(_LAYOUTS)} (zero-copy pages)")  # fmt: skip
         super().register_mem_pool_host(mem_pool_host)
         buf = getattr(mem_pool_host, "kv_buffer", None)
-        if self.client is not None and self.client.is_distributed() and buf is not None and hasattr(buf, "data_ptr"):
+        if (
+            self.client is not None
+            and self.client.is_distributed()
+            and buf is not None
+            and hasattr(buf, "data_ptr")
+        ):
             storage = buf.untyped_storage()
             ptr, size = int(storage.data_ptr()), int(storage.nbytes())
             if self.client.register_memory(ptr, size):  # fetches from peers land in it directly

@@ -94,7 +94,9 @@ class UMBPOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         cfg.dram.capacity_bytes = self.dram_bytes if role != UMBPRole.SharedSSDFollower else 1 << 20
         cfg.ssd.storage_dir = os.path.join(self.ssd_dir, f"r{rank}")
         cfg.ssd.capacity_bytes = self.ssd_bytes
-        cfg.ssd.durability.mode = UMBPDurabilityMode.Relaxed  # a cache: a crash loses blocks, never serves torn ones
+        cfg.ssd.durability.mode = (
+            UMBPDurabilityMode.Relaxed
+        )  # a cache: a crash loses blocks, never serves torn ones
         if self.master_address:
             cfg.ssd.enabled = False
             d = UMBPDistributedConfig()
@@ -112,7 +114,9 @@ class UMBPOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
             self._manager = UMBPOffloadingManager(self)
         return self._manager
 
-    def get_handlers(self, kv_caches: Any, *_: Any) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
+    def get_handlers(
+        self, kv_caches: Any, *_: Any
+    ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
         handler = UMBPOffloadingHandler(self, kv_caches)
         yield GPULoadStoreSpec, UMBPLoadStoreSpec, handler
         yield UMBPLoadStoreSpec, GPULoadStoreSpec, handler
@@ -138,7 +142,10 @@ class UMBPOffloadingManager(OffloadingManager):  # type: ignore[misc]
             found = self._master.batch_lookup([self.spec.key(b, r) for b in bases for r in ranks])
             n = self.spec.world_size
             return [all(found[i * n : (i + 1) * n]) for i in range(len(bases))]
-        per_rank = [v.batch_exists([self.spec.key(b, r) for b in bases]) for r, v in zip(ranks, self._views, strict=True)]
+        per_rank = [
+            v.batch_exists([self.spec.key(b, r) for b in bases])
+            for r, v in zip(ranks, self._views, strict=True)
+        ]
         return [all(col) for col in zip(*per_rank, strict=True)] if bases else []
 
     def lookup(self, block_hashes: Iterable[Any]) -> int:
@@ -153,7 +160,9 @@ class UMBPOffloadingManager(OffloadingManager):  # type: ignore[misc]
         present = self._present([_hex(h) for h in hashes])
         todo = [h for h, p in zip(hashes, present, strict=True) if not p]
         return PrepareStoreOutput(
-            block_hashes_to_store=todo, store_spec=UMBPLoadStoreSpec([_hex(h) for h in todo]), block_hashes_evicted=[]
+            block_hashes_to_store=todo,
+            store_spec=UMBPLoadStoreSpec([_hex(h) for h in todo]),
+            block_hashes_evicted=[],
         )
 
     def close(self) -> None:
@@ -204,10 +213,16 @@ class UMBPOffloadingHandler(OffloadingHandler):  # type: ignore[misc]
             pieces = [self._pieces(b) for b in block_ids]
             if store:
                 res = self.client.batch_put_ranges_from_ptr(
-                    keys, [self.block_bytes] * len(keys), [p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces]
+                    keys,
+                    [self.block_bytes] * len(keys),
+                    [p[0] for p in pieces],
+                    [p[1] for p in pieces],
+                    [p[2] for p in pieces],
                 )
             else:
-                res = self.client.batch_get_ranges_into_ptr(keys, [p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces])
+                res = self.client.batch_get_ranges_into_ptr(
+                    keys, [p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces]
+                )
             ok = all(res)
         kind = ("GPU", MEDIUM) if store else (MEDIUM, "GPU")
         return TransferResult(job_id, ok, self.block_bytes * len(keys), time.perf_counter() - t0, kind)
@@ -246,7 +261,7 @@ class UMBPOffloadingHandler(OffloadingHandler):  # type: ignore[misc]
         def done(f: Future[TransferResult]) -> None:
             try:
                 r = f.result()
-            except Exception:  # noqa: BLE001 - a failed job is reported, never lost
+            except Exception:
                 r = TransferResult(job_id, False)
             with self._lock:
                 self._done.append(r)

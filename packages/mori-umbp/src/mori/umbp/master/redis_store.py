@@ -60,7 +60,9 @@ local function drop(node)
 end
 """
 
-_REGISTER = _COMMON + """
+_REGISTER = (
+    _COMMON
+    + """
 local node, rec, peer, max_nodes = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 if redis.call('HEXISTS', ns .. ':nodes', node) == 1 then
   drop(node)
@@ -72,13 +74,19 @@ redis.call('HSET', ns .. ':peer', node, peer)
 redis.call('HSET', ns .. ':seen', node, now_ms())
 return 1
 """
+)
 
-_UNREGISTER = _COMMON + """
+_UNREGISTER = (
+    _COMMON
+    + """
 drop(ARGV[1])
 return 1
 """
+)
 
-_HEARTBEAT = _COMMON + """
+_HEARTBEAT = (
+    _COMMON
+    + """
 local node, ttl, full, rec = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1', ARGV[4]
 local now = now_ms()
 if not alive(node, now, ttl) then
@@ -106,8 +114,11 @@ while i <= #ARGV do
 end
 return 1
 """
+)
 
-_REPORT = _COMMON + """
+_REPORT = (
+    _COMMON
+    + """
 local node, tier, ttl, max = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 if not alive(node, now_ms(), ttl) then return 0 end
 local sk = ns .. ':extn:' .. node .. ':' .. tier
@@ -130,8 +141,11 @@ end
 redis.call('INCRBY', ns .. ':extcount', #new)
 return 1
 """
+)
 
-_REVOKE = _COMMON + """
+_REVOKE = (
+    _COMMON
+    + """
 local node, tier_arg, all = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
 local tiers = {}
 if tier_arg == 0 then tiers = {1, 2, 3} else tiers = {tier_arg} end
@@ -151,8 +165,11 @@ for _, tier in ipairs(tiers) do
 end
 return 1
 """
+)
 
-_MATCH = _COMMON + """
+_MATCH = (
+    _COMMON
+    + """
 local ttl, count_hit, max_hits = tonumber(ARGV[1]), ARGV[2] == '1', tonumber(ARGV[3])
 local now = now_ms()
 local live = {}
@@ -191,8 +208,11 @@ if count_hit then
 end
 return {out, peers}
 """
+)
 
-_HITS = _COMMON + """
+_HITS = (
+    _COMMON
+    + """
 local cutoff = now_ms() - tonumber(ARGV[1])
 local out = {}
 local seen = {}
@@ -208,8 +228,11 @@ for i = 2, #ARGV do
 end
 return out
 """
+)
 
-_ROUTE_GET = _COMMON + """
+_ROUTE_GET = (
+    _COMMON
+    + """
 local ttl, nex = tonumber(ARGV[1]), tonumber(ARGV[2])
 local now = now_ms()
 local ex = {}
@@ -235,8 +258,11 @@ for i = 3 + nex, #ARGV do
 end
 return out
 """
+)
 
-_LOOKUP = _COMMON + """
+_LOOKUP = (
+    _COMMON
+    + """
 local ttl = tonumber(ARGV[1])
 local now = now_ms()
 local out = {}
@@ -251,8 +277,11 @@ for i = 2, #ARGV do
 end
 return out
 """
+)
 
-_REAP = _COMMON + """
+_REAP = (
+    _COMMON
+    + """
 local ttl, hit_ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
 local now = now_ms()
 local dead = 0
@@ -265,6 +294,7 @@ for _, h in ipairs(old) do redis.call('HDEL', ns .. ':hits', h) end
 redis.call('ZREMRANGEBYSCORE', ns .. ':hitts', '-inf', now - hit_ttl)
 return dead
 """
+)
 
 
 def _full(e: Exception) -> bool:
@@ -299,7 +329,9 @@ class RedisStore:
             await self._run("register", [rec.node_id, blob, rec.peer_address, self.limits.max_nodes])
         except aioredis.ResponseError as e:
             if _full(e):
-                raise StoreFull(f"the master already has {self.limits.max_nodes} nodes (UMBP_MASTER_MAX_NODES)") from None
+                raise StoreFull(
+                    f"the master already has {self.limits.max_nodes} nodes (UMBP_MASTER_MAX_NODES)"
+                ) from None
             raise
 
     async def unregister(self, node_id: str) -> None:
@@ -319,20 +351,25 @@ class RedisStore:
         return bool(await self._run("heartbeat", args))
 
     async def get_node(self, node_id: str) -> NodeRecord | None:
-        blob, seen = await self.r.hget(f"{self.ns}:nodes", node_id), await self.r.hget(f"{self.ns}:seen", node_id)
+        blob, seen = (
+            await self.r.hget(f"{self.ns}:nodes", node_id),
+            await self.r.hget(f"{self.ns}:seen", node_id),
+        )
         if blob is None or seen is None:
             return None
         (sec, usec) = await self.r.time()
         if sec * 1000 + usec // 1000 - int(seen) > self._ttl_ms:
             return None
         d = msgpack.unpackb(blob, raw=False)
-        return NodeRecord(d["node_id"], d["node_address"], d["peer_address"], d["engine_desc"],
-                          [tuple(t) for t in d["tiers"]], d["tags"])  # type: ignore[misc]  # fmt: skip
+        tiers = [(int(t[0]), int(t[1]), int(t[2])) for t in d["tiers"]]
+        return NodeRecord(
+            d["node_id"], d["node_address"], d["peer_address"], d["engine_desc"], tiers, d["tags"]
+        )
 
     async def alive_nodes(self) -> list[NodeRecord]:
         out = []
         for nid in await self.r.hkeys(f"{self.ns}:nodes"):
-            rec = await self.get_node(nid.decode())
+            rec = await self.get_node(nid.decode() if isinstance(nid, bytes) else nid)
             if rec is not None:
                 out.append(rec)
         return out
@@ -356,7 +393,9 @@ class RedisStore:
 
     async def report_external(self, node_id: str, hashes: list[str], tier: int) -> bool:
         try:
-            return bool(await self._run("report", [node_id, tier, self._ttl_ms, self.limits.max_external, *hashes]))
+            return bool(
+                await self._run("report", [node_id, tier, self._ttl_ms, self.limits.max_external, *hashes])
+            )
         except aioredis.ResponseError as e:
             if _full(e):
                 raise StoreFull(
@@ -366,7 +405,9 @@ class RedisStore:
 
     async def revoke_external(self, node_id: str, hashes: list[str], tier: int | None) -> None:
         everything = tier is None or not hashes
-        await self._run("revoke", [node_id, tier or 0, "1" if everything else "0", *([] if everything else hashes)])
+        await self._run(
+            "revoke", [node_id, tier or 0, "1" if everything else "0", *([] if everything else hashes)]
+        )
 
     async def match_external(self, hashes: list[str], count_as_hit: bool) -> list[Match]:
         if not hashes:

@@ -46,6 +46,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "RevokeAllExternalKvForNode": {"node_id": "str"},
     "MatchExternalKv": {"hashes": "strs", "count_as_hit": "bool"},
     "GetExternalKvHitCounts": {"hashes": "strs"},
+    "Ping": {},
 }  # fmt: skip
 
 #: heartbeat event kinds
@@ -54,7 +55,8 @@ TIERS = (1, 2, 3)  #: HBM, DRAM, SSD (Unknown is never stored)
 
 
 def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    out: bytes = msgpack.packb(obj, use_bin_type=True)
+    return out
 
 
 def unpack(data: bytes, max_batch: int) -> Any:
@@ -141,8 +143,12 @@ def check(method: str, msg: Any, max_batch: int) -> dict[str, Any]:
             caps = []
             for it in items:
                 if not isinstance(it, list) or len(it) != 3:
-                    raise WireError(f"{method}: field {name!r} entries must be [tier, total_bytes, available_bytes]")
-                caps.append((_tier(method, name, it[0]), _uint(method, name, it[1]), _uint(method, name, it[2])))
+                    raise WireError(
+                        f"{method}: field {name!r} entries must be [tier, total_bytes, available_bytes]"
+                    )
+                caps.append(
+                    (_tier(method, name, it[0]), _uint(method, name, it[1]), _uint(method, name, it[2]))
+                )
             out[name] = caps
         elif kind == "events":
             items = _list(method, name, [] if v is None else v, max_batch)

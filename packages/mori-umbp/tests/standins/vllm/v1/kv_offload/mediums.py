@@ -19,7 +19,9 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec):
 
 
 class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
-    def __init__(self, block_ids: list[int], group_sizes: Sequence[int], block_indices: Sequence[int] | None = None) -> None:
+    def __init__(
+        self, block_ids: list[int], group_sizes: Sequence[int], block_indices: Sequence[int] | None = None
+    ) -> None:
         super().__init__(block_ids)
         assert sum(group_sizes) == len(block_ids)
         self.group_sizes = group_sizes

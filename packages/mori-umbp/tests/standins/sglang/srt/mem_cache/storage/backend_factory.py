@@ -11,7 +11,9 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 class StorageBackendFactory:
     @classmethod
-    def create_backend(cls, backend_name: str, storage_config: Any, mem_pool_host: Any, **kwargs: Any) -> HiCacheStorage:
+    def create_backend(
+        cls, backend_name: str, storage_config: Any, mem_pool_host: Any, **kwargs: Any
+    ) -> HiCacheStorage:
         if backend_name != "dynamic" or storage_config.extra_config is None:
             raise ValueError(f"Unknown storage backend {backend_name!r}")
         extra = storage_config.extra_config
