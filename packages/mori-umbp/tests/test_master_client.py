@@ -324,3 +324,42 @@ def test_in_memory_master_restart_loses_external_state() -> None:
             assert all(x.node_id != "restart-node" for x in UMBPMasterClient(m.address).match_external_kv(hs))
     finally:
         m.stop()
+
+
+def test_concurrent_matches_share_rpcs_and_each_gets_its_own_answer(addr: str) -> None:
+    """Group commit: calls that wait behind an RPC in flight go together in the next one, and
+    each caller gets exactly its own query's answer and hit counting."""
+    import threading
+
+    with registered(addr, "gc-node"):
+        q = UMBPMasterClient(addr)
+        q.report_external_kv_blocks("gc-node", [f"gc-{i}" for i in range(64)], DRAM)
+        calls: list[str] = []
+        real = q._call
+
+        def counting(method: str, request: dict, timeout: float | None = None) -> dict:  # type: ignore[type-arg]
+            calls.append(method)
+            return real(method, request, timeout)
+
+        q._call = counting  # type: ignore[method-assign]
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(16)
+
+        def work(t: int) -> None:
+            try:
+                barrier.wait()
+                for i in range(20):
+                    mine_ = [f"gc-{(t * 4 + i) % 64}", f"gc-miss-{t}"]
+                    (m,) = q.match_external_kv(mine_, count_as_hit=(t == 0))
+                    assert m.hashes_by_tier[DRAM] == [mine_[0]], (t, i)
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(16)]
+        [th.start() for th in threads]
+        [th.join(30) for th in threads]
+        assert not errors, errors[0]
+        assert len(calls) < 16 * 20, "concurrent calls were coalesced"
+        assert "MatchExternalKvBatch" in calls
+        hits = counts(q, [f"gc-{i}" for i in range(64)])
+        assert sum(hits.values()) == 20, "only thread 0 counted hits: one per call, none lost or doubled"

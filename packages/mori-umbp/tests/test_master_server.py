@@ -39,6 +39,19 @@ def rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+def scrape_until(m: Master, want: str, timeout: float = 10.0) -> str:
+    """The master's metrics text once it contains ``want`` (a call is counted just after its
+    answer is sent, so a scrape right after the call may miss it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{m.metrics_port}/metrics", timeout=10).read().decode()
+        )
+        if want in text or time.monotonic() > deadline:
+            return text
+        time.sleep(0.05)
+
+
 def test_redis_master_restart_keeps_every_registration_and_index_entry(redis_server: RedisServer) -> None:
     m = Master(redis_env(redis_server))
     try:
@@ -152,11 +165,16 @@ def test_prometheus_metrics() -> None:
         q.match_external_kv(["a", "b"])
         with pytest.raises(RuntimeError):
             q.report_external_kv_blocks("n", [], DRAM)
-        text = (
-            urllib.request.urlopen(f"http://127.0.0.1:{m.metrics_port}/metrics", timeout=10).read().decode()
+        with pytest.raises(RuntimeError, match="INVALID_ARGUMENT"):  # refused by the master itself
+            q.get_external_kv_hit_counts([str(i) for i in range(5000)])
+        want = 'umbp_master_rpc_total{code="OK",method="MatchExternalKv"} 1.0'
+        text = scrape_until(m, want)
+        assert (
+            want in text
+            and 'code="INVALID_ARGUMENT",method="GetExternalKvHitCounts"} 1.0'
+            in scrape_until(m, 'code="INVALID_ARGUMENT",method="GetExternalKvHitCounts"} 1.0')
         )
-        assert 'umbp_master_rpc_total{code="OK",method="MatchExternalKv"} 1.0' in text
-        assert "umbp_master_rpc_seconds_bucket" in text
+        assert 'umbp_master_rpc_seconds_bucket{le="0.001",method="MatchExternalKv"}' in text
     finally:
         m.stop()
 
@@ -174,23 +192,21 @@ def test_tables_are_bounded_and_memory_stays_flat_under_a_flood_of_reports() -> 
         q = UMBPMasterClient(m.address)
         assert m.proc is not None
         refused = 0
-        for r in range(60):  # 60 x 2000 hashes = 120k offered, 20k may be kept
+        for r in range(230):  # 230 x 2000 hashes offered, 20k may be kept: 10 reports fill the index
             try:
                 q.report_external_kv_blocks(f"flood-{r % 4}", [f"f{r}-{j}" for j in range(2000)], DRAM)
             except RuntimeError as e:
                 assert "RESOURCE_EXHAUSTED" in str(e)
                 refused += 1
-            if r == 9:
+            if r == 29:  # the index is full and the allocator has seen 20 refused requests
                 base = rss_kib(m.proc.pid)
-        assert refused == 50
+        assert refused == 220
         grown = rss_kib(m.proc.pid) - base
-        # 10 accepted reports fill the index; 50 refused ones must not grow it. 16 MiB of slack
-        # covers allocator noise of the gRPC and msgpack buffers (each request is ~40 KiB).
+        # 200 refused reports carry 400k hashes (~9 MB of strings); kept, they would cost the master
+        # well over 40 MiB (a str and a set slot each). 16 MiB of slack covers allocator noise.
         assert grown < 16 * 1024, f"the master grew {grown} KiB under refused reports"
-        text = (
-            urllib.request.urlopen(f"http://127.0.0.1:{m.metrics_port}/metrics", timeout=10).read().decode()
-        )
-        assert 'umbp_master_rpc_total{code="RESOURCE_EXHAUSTED",method="ReportExternalKv"} 50.0' in text
+        want = 'umbp_master_rpc_total{code="RESOURCE_EXHAUSTED",method="ReportExternalKv"} 220.0'
+        assert want in scrape_until(m, want)
     finally:
         m.stop()
 
@@ -249,3 +265,25 @@ def test_oversized_and_nested_messages_are_refused(shared_master: Master) -> Non
             with pytest.raises(grpc.RpcError) as e:
                 call(raw, timeout=10)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_batched_matches_on_redis_answer_each_query(redis_server: RedisServer) -> None:
+    m = Master(redis_env(redis_server))
+    try:
+        n = UMBPMasterClient(m.address, node_id="rb", node_address="rb")
+        n.register_self(CAPS)
+        q = UMBPMasterClient(m.address)
+        q.report_external_kv_blocks("rb", ["a", "b", "c"], DRAM)
+        results = q._send_matches([(["a", "z"], True), (["z"], False), (["b", "c", "b"], True)])
+        assert [[(x[0], x[2]) for x in r] for r in results] == [
+            [("rb", [[2, ["a"]]])],
+            [],
+            [("rb", [[2, ["b", "c"]]])],
+        ]
+        assert {e.hash: e.hit_count_total for e in q.get_external_kv_hit_counts(["a", "b", "c"])} == {
+            "a": 1,
+            "b": 1,
+            "c": 1,
+        }
+    finally:
+        m.stop()

@@ -23,7 +23,9 @@ backend (a ``redis-server`` the benchmark starts on a free loopback port; skippe
 if none is installed). 4 nodes register and report ``--hashes`` hashes; then ``--procs`` client
 processes x ``--threads`` threads each call the operation in a loop for ``--seconds``, with
 :class:`mori.umbp.UMBPMasterClient`. ops/s = calls completed / seconds, summed over clients;
-median of ``--reps``. Operations: ``match_external_kv`` of 8 hashes (6 reported, 2 not),
+median of ``--reps``. The threads of a process share one client, so concurrent
+``match_external_kv`` calls are group-committed (see :class:`mori.umbp.UMBPMasterClient`): one
+RPC in flight, the calls that arrive meanwhile go together in the next. Operations: ``match_external_kv`` of 8 hashes (6 reported, 2 not),
 ``report_external_kv_blocks`` of 8 hashes, ``route_get`` of 8 keys, and ``ping``, an RPC that
 touches no state: what the same clients get from the gRPC framework alone (grpcio, asyncio
 server), the ceiling of any Python master on the machine.
@@ -266,8 +268,9 @@ def _load(address: str, op: str, threads: int, seconds: float, hashes: int, q: A
     counts = [0] * threads
     start = threading.Barrier(threads + 1)
 
+    c = UMBPMasterClient(address)  # one client per process, shared by its threads (as an engine would)
+
     def work(t: int) -> None:
-        c = UMBPMasterClient(address)
         rng = (t * 7919) % max(1, hashes - 8)
         start.wait()
         end = time.monotonic() + seconds

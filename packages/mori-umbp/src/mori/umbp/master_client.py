@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,74 @@ class UMBPExternalKvHitCountEntry:
         return f"UMBPExternalKvHitCountEntry(hash={self.hash!r}, hit_count_total={self.hit_count_total})"
 
 
+class _Slot:
+    __slots__ = ("done", "error", "items", "lead", "query", "result")
+
+    def __init__(self, query: Any, items: int) -> None:
+        self.query, self.items = query, items
+        self.done = threading.Event()
+        self.lead = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class _GroupCommit:
+    """At most one RPC of a kind in flight per client: calls that arrive while one is in flight
+    wait and then go together in the next one (one result each). A lone caller sends at once, so
+    nothing is delayed; under concurrency the RPCs carry many calls. If an RPC fails, every call
+    in it raises that error."""
+
+    def __init__(self, send: Callable[[list[Any]], list[Any]], max_calls: int, max_items: int) -> None:
+        self._send, self._max_calls, self._max_items = send, max_calls, max_items
+        self._lock = threading.Lock()
+        self._queue: deque[_Slot] = deque()
+        self._busy = False
+
+    def __call__(self, query: Any, items: int) -> Any:
+        slot = _Slot(query, items)
+        with self._lock:
+            self._queue.append(slot)
+            lead = not self._busy
+            self._busy = True
+        if not lead:
+            slot.done.wait()
+            if not slot.lead:
+                if slot.error is not None:
+                    raise slot.error
+                return slot.result
+        # this thread sends the next RPC, with whatever has queued up to the limits
+        with self._lock:
+            batch: list[_Slot] = []
+            n = 0
+            while self._queue and len(batch) < self._max_calls:
+                if batch and n + self._queue[0].items > self._max_items:
+                    break
+                b = self._queue.popleft()
+                batch.append(b)
+                n += b.items
+        try:
+            results = self._send([b.query for b in batch])
+            for b, r in zip(batch, results, strict=True):
+                b.result = r
+        except BaseException as e:  # handed to every caller of the batch
+            for b in batch:
+                b.error = e
+        with self._lock:
+            if self._queue:  # the next waiter sends the next RPC
+                nxt = self._queue[0]
+                nxt.lead = True
+                nxt.done.set()
+            else:
+                self._busy = False
+        for b in batch:
+            if b is not slot:
+                b.lead = False
+                b.done.set()
+        if slot.error is not None:
+            raise slot.error
+        return slot.result
+
+
 def _tier(func: str, tier: Any) -> int:
     try:
         t = UMBPTierType(tier)
@@ -102,6 +171,9 @@ class UMBPMasterClient:
         self._channel: grpc.Channel | None = None
         self._calls: dict[str, Any] = {}
         self._registered = False
+        self._match = _GroupCommit(
+            self._send_matches, wire.MAX_QUERIES, env.UMBP_MASTER_MAX_BATCH.get() or 65536
+        )
         #: set by register_self: what the master recommends between heartbeats
         self.heartbeat_interval_ms = 0
 
@@ -133,7 +205,7 @@ class UMBPMasterClient:
             code, detail = e.code(), e.details()
             where = f"UMBPMasterClient.{method} to {self.master_address}"
             if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise UMBPArgumentError(f"{where}: {detail}") from None
+                raise UMBPArgumentError(f"{where}: {detail} (INVALID_ARGUMENT)") from None
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise UMBPUnavailableError(f"{where} failed ({code.name}): {detail}") from None
             raise UMBPError(f"{where} failed ({code.name}): {detail}") from None
@@ -286,11 +358,24 @@ class UMBPMasterClient:
         hs = _hashes("UMBPMasterClient.match_external_kv", hashes, allow_empty=True)
         if not hs:
             return []
-        resp = self._call("MatchExternalKv", {"hashes": hs, "count_as_hit": bool(count_as_hit)})
+        raw = self._match((hs, bool(count_as_hit)), len(hs))
         return [
             UMBPExternalKvNodeMatch(nid, peer, {UMBPTierType(t): list(h) for t, h in tiers})
-            for nid, peer, tiers in resp["matches"]
+            for nid, peer, tiers in raw
         ]
+
+    def _send_matches(self, queries: list[tuple[list[str], bool]]) -> list[Any]:
+        if len(queries) == 1:  # the common case: one caller, the plain RPC
+            hs, hit = queries[0]
+            return [self._call("MatchExternalKv", {"hashes": hs, "count_as_hit": hit})["matches"]]
+        results = self._call("MatchExternalKvBatch", {"queries": [[hs, hit] for hs, hit in queries]})[
+            "results"
+        ]
+        if len(results) != len(queries):
+            raise UMBPError(
+                "UMBPMasterClient.match_external_kv: the master answered a batch with the wrong count"
+            )
+        return list(results)
 
     def get_external_kv_hit_counts(self, hashes: Sequence[str]) -> list[UMBPExternalKvHitCountEntry]:
         """Hit counts of the hashes that have one (sparse, in no order). More than

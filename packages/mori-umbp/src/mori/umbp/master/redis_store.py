@@ -409,12 +409,29 @@ class RedisStore:
             "revoke", [node_id, tier or 0, "1" if everything else "0", *([] if everything else hashes)]
         )
 
+    def _match_args(self, hashes: list[str], count_as_hit: bool) -> list[Any]:
+        return [self._ttl_ms, "1" if count_as_hit else "0", self.limits.max_external, *hashes]
+
     async def match_external(self, hashes: list[str], count_as_hit: bool) -> list[Match]:
         if not hashes:
             return []
-        flat, peers = await self._run(
-            "match", [self._ttl_ms, "1" if count_as_hit else "0", self.limits.max_external, *hashes]
-        )
+        flat, peers = await self._run("match", self._match_args(hashes, count_as_hit))
+        return self._decode_match(flat, peers)
+
+    async def match_external_many(self, queries: list[tuple[list[str], bool]]) -> list[list[Match]]:
+        """Every query's script in one pipelined round trip (each still atomic on its own)."""
+        pipe = self.r.pipeline(transaction=False)
+        live = [(i, hs, hit) for i, (hs, hit) in enumerate(queries) if hs]
+        for _, hs, hit in live:
+            await self._s["match"](keys=[self.ns], args=self._match_args(hs, hit), client=pipe)
+        replies = await pipe.execute() if live else []
+        out: list[list[Match]] = [[] for _ in queries]
+        for (i, _, _), (flat, peers) in zip(live, replies, strict=True):
+            out[i] = self._decode_match(flat, peers)
+        return out
+
+    @staticmethod
+    def _decode_match(flat: list[Any], peers: list[Any]) -> list[Match]:
         peer_of = {peers[i].decode(): peers[i + 1].decode() for i in range(0, len(peers), 2)}
         by_node: dict[str, dict[int, list[str]]] = {}
         for i in range(0, len(flat), 3):

@@ -46,8 +46,11 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "RevokeAllExternalKvForNode": {"node_id": "str"},
     "MatchExternalKv": {"hashes": "strs", "count_as_hit": "bool"},
     "GetExternalKvHitCounts": {"hashes": "strs"},
+    "MatchExternalKvBatch": {"queries": "queries"},
     "Ping": {},
 }  # fmt: skip
+
+MAX_QUERIES = 1024  #: match queries in one MatchExternalKvBatch
 
 #: heartbeat event kinds
 ADD, REMOVE = 0, 1
@@ -159,6 +162,21 @@ def check(method: str, msg: Any, max_batch: int) -> dict[str, Any]:
                 events.append((it[0], _str(method, "events[].key", it[1]), _tier(method, "events[].tier", it[2]),
                                _uint(method, "events[].size", it[3])))  # fmt: skip
             out[name] = events
+        elif kind == "queries":  # [[hashes, count_as_hit], ...], at most max_batch hashes in all
+            items = _list(method, name, [] if v is None else v, MAX_QUERIES)
+            queries, total = [], 0
+            for it in items:
+                if not isinstance(it, list) or len(it) != 2 or not isinstance(it[1], bool):
+                    raise WireError(f"{method}: field {name!r} entries must be [hashes, count_as_hit]")
+                hs = [
+                    _str(method, "queries[].hashes[]", h)
+                    for h in _list(method, "queries[].hashes", it[0], max_batch)
+                ]
+                total += len(hs)
+                if total > max_batch:
+                    raise WireError(f"{method}: more than {max_batch} hashes in all queries")
+                queries.append((hs, it[1]))
+            out[name] = queries
         else:  # pragma: no cover - a schema typo
             raise AssertionError(kind)
     if "node_id" in schema and method not in ("RouteGet", "RoutePut") and not out["node_id"]:
