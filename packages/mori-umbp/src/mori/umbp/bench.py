@@ -70,7 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ops", default="match,report,route,ping", help="master operations (ping: the RPC framework alone)"
     )
     p.add_argument("--procs", type=int, default=2, help="client processes of the master load")
-    p.add_argument("--threads", type=int, default=4, help="threads per client process")
+    p.add_argument(
+        "--threads", default="1,32", help="threads per client process, comma-separated (one row each)"
+    )
     p.add_argument("--seconds", type=float, default=3.0, help="duration of one master measurement")
     p.add_argument("--hashes", type=int, default=20000, help="hashes reported before the master runs")
     p.add_argument("--json", default="bench-results/umbp-cpu.json", help="where the record goes")
@@ -343,26 +345,29 @@ def bench_master(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]
                                         UMBPTierType.DRAM)  # fmt: skip
         ctx = mp.get_context("spawn")
         for op in [o for o in args.ops.split(",") if o]:
-            rates = []
-            for _ in range(args.reps):
-                out = ctx.Queue()
-                ps = [ctx.Process(target=_load, args=(address, op, args.threads, args.seconds, args.hashes, out))
-                      for _ in range(args.procs)]  # fmt: skip
-                for p in ps:
-                    p.start()
-                total = sum(out.get(timeout=args.seconds + 120) for _ in ps)
-                for p in ps:
-                    p.join()
-                rates.append(total / args.seconds)
-            rows.append(
-                {
-                    "master": backend,
-                    "op": op,
-                    "procs": args.procs,
-                    "threads": args.threads,
-                    "ops_per_s": _spread(rates),
-                }
-            )
+            for threads in [int(t) for t in str(args.threads).split(",") if t]:
+                rates = []
+                for _ in range(args.reps):
+                    out = ctx.Queue()
+                    ps = [
+                        ctx.Process(target=_load, args=(address, op, threads, args.seconds, args.hashes, out))
+                        for _ in range(args.procs)
+                    ]
+                    for p in ps:
+                        p.start()
+                    total = sum(out.get(timeout=args.seconds + 120) for _ in ps)
+                    for p in ps:
+                        p.join()
+                    rates.append(total / args.seconds)
+                rows.append(
+                    {
+                        "master": backend,
+                        "op": op,
+                        "procs": args.procs,
+                        "threads": threads,
+                        "ops_per_s": _spread(rates),
+                    }
+                )
     finally:
         master.terminate()
         master.wait(timeout=30)
