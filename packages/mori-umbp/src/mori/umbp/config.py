@@ -253,6 +253,8 @@ class UMBPIoEngineConfig:
 
     host: str = ""
     port: int = 0  #: 0: any free port
+    #: the IO engines' shared secret; "" reads MORI_IO_AUTH_TOKEN (needed beyond loopback)
+    auth_token: str = ""
 
 
 @dataclass(slots=True)

@@ -89,7 +89,8 @@ class DistributedNode:
         self._staging: Any = None
         self._ssd_staging: Any = None
         try:
-            self.engine = IOEngine(f"umbp-{self.node_id}", IOEngineConfig(host, cfg.io_engine.port))
+            io_cfg = IOEngineConfig(host, cfg.io_engine.port, auth_token=cfg.io_engine.auth_token or None)
+            self.engine = IOEngine(f"umbp-{self.node_id}", io_cfg)
             self.engine.create_backend(BackendType.TCP)
             dram = client._dram
             self.pool_desc = self.engine.register_memory(dram.base, dram.capacity, -1, MemoryLocationType.CPU)
