@@ -238,3 +238,24 @@ def test_a_writer_killed_mid_put_leaves_nothing_visible(master: Master, tmp_path
         assert c.stats()["ssd_dropped_records"] == (1 if mode == "ssd" else 0)
     finally:
         c.close()
+
+
+def test_a_peer_resolve_never_starts_a_fetch_of_its_own(master: Master, tmp_path: Path) -> None:
+    """A node asked for a key it no longer holds answers 'not found'; it must not go and fetch the
+    key from another peer (two nodes could bounce one request between them for ever)."""
+    a = umbp.UMBPClient(node_config(master.address, "loop-a", ssd_dir=tmp_path / "a"))
+    b = umbp.UMBPClient(node_config(master.address, "loop-b"))
+    try:
+        data = rand_buf(4096)
+        assert b.put_from_ptr("elsewhere", data.ptr, 4096)
+        b.flush()
+        node = a._node
+
+        def no_fetch(*args, **kwargs):  # type: ignore[no-untyped-def]
+            raise AssertionError("Resolve started a fetch")
+
+        node.fetch = no_fetch
+        assert node._resolve({"key": "elsewhere"}) == {"found": False, "busy": False}
+    finally:
+        b.close()
+        a.close()

@@ -413,8 +413,9 @@ class UMBPClient:
 
     # -- gets ------------------------------------------------------------------------------------------
 
-    def _get(self, key: str, ptr: int, size: int, offset: int = -1) -> bool:
-        """``offset`` -1: the whole object (``size`` must equal its size); else a byte range of it."""
+    def _get(self, key: str, ptr: int, size: int, offset: int = -1, *, local_only: bool = False) -> bool:
+        """``offset`` -1: the whole object (``size`` must equal its size); else a byte range of it.
+        ``local_only``: never ask a peer (a peer's own Resolve must not start a fetch of its own)."""
         hbm = self._hbm
         if hbm is not None:
             with hbm.lock:
@@ -456,7 +457,7 @@ class UMBPClient:
                 if offset < 0 and self.config.eviction.auto_promote_on_read:
                     self._promote(key, ptr, size)
                 return True
-        if self._node is not None:
+        if self._node is not None and not local_only:
             return bool(self._node.fetch(key, ptr, size, max(offset, 0), whole=offset < 0))
         return False
 

@@ -166,7 +166,7 @@ class DistributedNode:
             events += [(wire.ADD, k, UMBPTierType.SSD, loc.size) for k, loc in list(c._ssd._index.items())]
         return events
 
-    def heartbeat_now(self) -> None:
+    def heartbeat_now(self, *, again: bool = True) -> None:
         with self._lock:
             full = self._need_full_sync
             events = self._snapshot() if full else self._outbox
@@ -181,7 +181,8 @@ class DistributedNode:
         if not alive:  # the master restarted or expired us: register again and resend everything
             log.warning("UMBP node %s: the master does not know this node; registering again", self.node_id)
             self._register()
-            self.heartbeat_now()
+            if again:  # once: a master that forgets us at once again is reported by the next heartbeat
+                self.heartbeat_now(again=False)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(max(0.2, (self.master.heartbeat_interval_ms or 5000) / 1000)):
@@ -364,7 +365,7 @@ class DistributedNode:
                 return {"found": False, "busy": size is not None}
             slot = self._free_slots.pop()
         # copy the HBM or SSD object into the slot outside the lock (an SSD read checks its checksum)
-        if not c._get(key, self._ssd_staging.ptr + slot * self._slot_size, size):
+        if not c._get(key, self._ssd_staging.ptr + slot * self._slot_size, size, local_only=True):
             with self._lock:
                 self._free_slots.append(slot)
             return {"found": False}
