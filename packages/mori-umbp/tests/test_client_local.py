@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers import Buf, local_config, rand_buf
+from umbp_helpers import Buf, local_config, rand_buf
 
 import mori.umbp as umbp
 import mori.umbp.client as client_mod

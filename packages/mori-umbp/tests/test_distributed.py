@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import Buf, rand_buf
+from umbp_helpers import Buf, Master, rand_buf
 
 import mori.umbp as umbp
 import mori.umbp.distributed as dist_mod
-from conftest import Master
 
 
 def node_config(address: str, node_id: str, *, dram: int = 8 << 20, ssd_dir: object = None, cache: bool = True

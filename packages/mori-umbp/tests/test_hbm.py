@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import Buf, local_config, rand_buf
+from umbp_helpers import Buf, local_config, rand_buf
 
 import mori.umbp as umbp
 

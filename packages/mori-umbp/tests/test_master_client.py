@@ -8,8 +8,8 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from umbp_helpers import Master, free_port
 
-from conftest import Master, free_port
 from mori.cpp import (
     UMBPClient,
     UMBPConfig,

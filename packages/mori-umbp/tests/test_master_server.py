@@ -14,8 +14,8 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from umbp_helpers import Master, RedisServer, free_port
 
-from conftest import Master, RedisServer, free_port
 from mori.umbp import UMBPMasterClient, UMBPTierType
 from mori.umbp.master import wire
 

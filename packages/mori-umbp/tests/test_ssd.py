@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import Buf, rand_buf
+from umbp_helpers import Buf, rand_buf
 
 import mori.umbp as umbp
 import mori.umbp.ssd as ssd_mod
