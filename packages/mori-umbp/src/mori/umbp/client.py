@@ -164,6 +164,14 @@ class UMBPClient:
         except Exception:
             pass
 
+    def _copy(self, dst: int, src: int, n: int) -> None:
+        """Copy between the caller's memory and a host tier. With an HBM tier the caller's pointers
+        may be device memory, so the device runtime copies (it handles host and device alike)."""
+        if self._hbm is not None:
+            self._hbm.copy(dst, src, n)
+        else:
+            _memmove(dst, src, n)
+
     def _check_open(self, func: str) -> None:
         if self._closed:
             raise UMBPError(f"UMBPClient.{func}: the client is closed")
@@ -302,7 +310,7 @@ class UMBPClient:
                 self._node.on_stored(key, size, tier=UMBPTierType.SSD)
             return ok
         try:
-            _memmove(dram.base + entry.offset, ptr, size)
+            self._copy(dram.base + entry.offset, ptr, size)
         except BaseException:
             with dram.lock:
                 dram.abort(key)
@@ -388,7 +396,7 @@ class UMBPClient:
         staging = ctypes.create_string_buffer(total) if total > self._dram.capacity else None
         if staging is not None:
             for off, size, ptr in pieces:
-                _memmove(ctypes.addressof(staging) + off, ptr, size)
+                self._copy(ctypes.addressof(staging) + off, ptr, size)
             return self._put(key, ctypes.addressof(staging), total, -1)
         dram = self._dram
         while True:
@@ -405,7 +413,7 @@ class UMBPClient:
                     return False
             break
         for off, size, ptr in pieces:
-            _memmove(dram.base + entry.offset + off, ptr, size)
+            self._copy(dram.base + entry.offset + off, ptr, size)
         with dram.lock:
             dram.commit(key)
         self._after_commit(key, total)
@@ -442,20 +450,25 @@ class UMBPClient:
                 dram.touch(key)
         if e is not None:
             try:
-                _memmove(ptr, dram.base + e.offset + max(offset, 0), size)
+                self._copy(ptr, dram.base + e.offset + max(offset, 0), size)
             finally:
                 with dram.lock:
                     e.pins -= 1
             return True
         ssd = self._ssd
         if ssd is not None:
-            ok = ssd.get(key, ptr, size) if offset < 0 else ssd.get_range(key, ptr, size, offset)
+            # with an HBM tier ``ptr`` may be device memory, which the kernel cannot read a file into
+            bounce = ctypes.create_string_buffer(size) if self._hbm is not None else None
+            dst = ctypes.addressof(bounce) if bounce is not None else ptr
+            ok = ssd.get(key, dst, size) if offset < 0 else ssd.get_range(key, dst, size, offset)
             if not ok and ssd.read_only:
                 ssd.refresh()  # a follower: the leader may have stored it since
-                ok = ssd.get(key, ptr, size) if offset < 0 else ssd.get_range(key, ptr, size, offset)
+                ok = ssd.get(key, dst, size) if offset < 0 else ssd.get_range(key, dst, size, offset)
             if ok:
+                if bounce is not None:
+                    self._copy(ptr, dst, size)
                 if offset < 0 and self.config.eviction.auto_promote_on_read:
-                    self._promote(key, ptr, size)
+                    self._promote(key, dst, size)
                 return True
         if self._node is not None and not local_only:
             return bool(self._node.fetch(key, ptr, size, max(offset, 0), whole=offset < 0))
@@ -470,7 +483,7 @@ class UMBPClient:
             entry = dram.reserve(key, size, -1, self._demote)
             if entry is None:
                 return
-        _memmove(dram.base + entry.offset, ptr, size)
+        self._copy(dram.base + entry.offset, ptr, size)
         with dram.lock:
             dram.commit(key)
         if self._node is not None:

@@ -25,7 +25,6 @@ the same host and requires the pool's ``UMBP_MASTER_AUTH_TOKEN`` when one is set
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hmac
 import itertools
 import logging
@@ -508,7 +507,9 @@ class DistributedNode:
                 )
                 if not self._wait(st, node_id, deadline):
                     return False
-                ctypes.memmove(ptr + done, self._staging.ptr, n)
+                self.client._copy(
+                    ptr + done, self._staging.ptr, n
+                )  # the device runtime's copy with an HBM tier
                 done += n
         return True
 
