@@ -1,0 +1,1 @@
+"""Stand-in of the engine for the mori-umbp tests (see ../README)."""
