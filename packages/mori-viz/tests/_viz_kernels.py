@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from mori import viz
-from mori.core.kernels import aot_variants
+from mori.core.kernels import aot, aot_variants
 from mori.shmem import device as shd
 from mori.viz import device as vd
 
@@ -67,6 +67,19 @@ def copy_kernel(
     tr = vd.instant(tr, COPY.done)
     tr = vd.end(tr, COPY.kernel)
     vd.close_trace(tr)
+
+
+@aot(signature={"dst_ptr": "*i32", "src_ptr": "*i32", "n": "i32"}, constexprs={"CHUNKS": 3, "BLOCK": 64})
+@triton.jit
+def plain_copy_kernel(dst_ptr, src_ptr, n, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    """copy_kernel without any tracing: what copy_kernel with TRACE=False must compile to."""
+    base = tl.program_id(0) * CHUNKS * BLOCK
+    offs = tl.arange(0, BLOCK)
+    for c in tl.static_range(CHUNKS):
+        o = base + c * BLOCK + offs
+        mask = o < n
+        x = tl.load(src_ptr + o, mask=mask)
+        tl.store(dst_ptr + o, x, mask=mask)
 
 
 @aot_variants(_traced_and_untraced({"out_ptr": "*i64", "n": "i32", "trace_ptr": "*i64"}))

@@ -46,6 +46,7 @@ __all__ = [
     "host_epoch",
     "host_ns",
     "measure_pair",
+    "ping_rounds",
 ]
 
 #: pairs whose brackets add up to less than this fraction of their distance give the rate
@@ -237,6 +238,32 @@ def _launch(device: torch.device, samples: int) -> ClockPair:
     return best
 
 
+def ping_rounds(
+    flag: Any, out: Any, rounds: int, *, timeout_s: float = PING_ROUND_TIMEOUT_S
+) -> ClockPair | None:
+    """The host side of a ping calibration while :func:`~mori.viz.device.clock_ping_kernel` runs
+    on ``flag`` / ``out`` (int64 numpy views of host-visible memory, ``out`` zeroed, ``rounds``
+    long): round ``i`` notes the host clock, sets ``flag = i + 1``, waits for ``out[i]``, notes the
+    clock again. Returns the narrowest bracket's pair, or None if a round got no answer within
+    ``timeout_s``. Always leaves ``flag = rounds``, which lets the kernel finish."""
+    best: ClockPair | None = None
+    try:
+        for i in range(rounds):
+            t0 = host_ns()
+            flag[0] = i + 1
+            deadline = time.monotonic() + timeout_s
+            while out[i] == 0:
+                if time.monotonic() > deadline:
+                    return None
+            t1 = host_ns()
+            pair = ClockPair((t0 + t1) // 2, int(out[i]), (t1 - t0 + 1) // 2, "ping")
+            if best is None or pair.error_ns < best.error_ns:
+                best = pair
+        return best
+    finally:
+        flag[0] = rounds
+
+
 def _ping(device: torch.device, samples: int) -> ClockPair:
     import torch
 
@@ -247,34 +274,17 @@ def _ping(device: torch.device, samples: int) -> ClockPair:
         out = torch.zeros(samples, dtype=torch.int64, pin_memory=True)
     except RuntimeError as e:  # no pinned memory here
         raise _PingUnavailable(str(e)) from e
-    flag_np, out_np = flag.numpy(), out.numpy()
     with torch.cuda.device(device):
         # compile and load the kernel with a run that needs no host help (flag already >= 1)
-        flag_np[0] = samples
+        flag[0] = 1
         clock_ping_kernel[(1,)](flag, out, 1)
         torch.cuda.synchronize(device)
-        flag_np[0] = 0
-        out_np[:] = 0
+        flag.zero_()
+        out.zero_()
         clock_ping_kernel[(1,)](flag, out, samples)
-        best: ClockPair | None = None
-        failed = False
-        for i in range(samples):
-            t0 = host_ns()
-            flag_np[0] = i + 1
-            deadline = time.monotonic() + PING_ROUND_TIMEOUT_S
-            while out_np[i] == 0:
-                if time.monotonic() > deadline:
-                    failed = True
-                    break
-            t1 = host_ns()
-            if failed:
-                break
-            pair = ClockPair((t0 + t1) // 2, int(out_np[i]), (t1 - t0 + 1) // 2, "ping")
-            if best is None or pair.error_ns < best.error_ns:
-                best = pair
-        flag_np[0] = samples  # releases the kernel whatever happened
+        best = ping_rounds(flag.numpy(), out.numpy(), samples)
         _wait_done(device, timeout_s=10.0)
-    if failed or best is None:
+    if best is None:
         raise _PingUnavailable("the ping kernel did not answer")
     return best
 

@@ -124,6 +124,7 @@ class _Open:
     ts: int
     launch: int
     seq: int
+    depth: int = 0  # spans open below it when it began
 
 
 class _Pairer:
@@ -148,6 +149,7 @@ class _Pairer:
             self.orphans.append(Orphan(track, ev.ts, ev.slot, ev.launch, kind, ev.seq))
 
     def _close(self, track: int, stack: list[_Open], i: int, ts: int, seq: int) -> None:
+        # i: the span's index in the stack
         o = stack.pop(i)
         if ts < o.ts:
             self.problems.append(
@@ -155,7 +157,7 @@ class _Pairer:
                 "(timestamps out of order: a corrupted buffer or the wrong clock rate)"
             )
             return
-        self.spans.append(Span(track, o.ts, ts, o.slot, o.launch, i, o.seq, seq))
+        self.spans.append(Span(track, o.ts, ts, o.slot, o.launch, o.depth, o.seq, seq))
 
     def track(
         self, track: int, ts: np.ndarray, kinds: np.ndarray, slots: np.ndarray, launches: np.ndarray
@@ -163,7 +165,7 @@ class _Pairer:
         stack: list[_Open] = []  # innermost last
         rows = zip(ts.tolist(), kinds.tolist(), slots.tolist(), launches.tolist(), strict=True)
         for j, (t, k, s, la) in enumerate(rows):
-            ev = _Open(s, t, la, j)
+            ev = _Open(s, t, la, j, len(stack))
             if k == layout.BEGIN:
                 stack.append(ev)
             elif k == layout.INSTANT:
@@ -175,7 +177,7 @@ class _Pairer:
                     self._close(track, stack, len(stack) - 1, t, j)
                 else:
                     self._orphan(track, ev, "end", f"next-span {self._name(s)} with no span open")
-                stack.append(ev)
+                stack.append(_Open(s, t, la, j, len(stack)))
         for o in stack:
             self._orphan(track, o, "begin", f"span {self._name(o.slot)} never ends")
 
