@@ -169,7 +169,7 @@ class TraceBuffer:
     each ring keeps its newest ``capacity`` events. ``device``: a torch device (default: the
     shmem runtime's heap device when :mod:`mori.shmem` is initialised, else the current GPU, else
     the CPU, for kernels under ``TRITON_INTERPRET=1``). ``rank``: the rank shown in traces
-    (default: ``shmem_my_pe()`` when initialised, else 0). ``name``: the source's name in traces.
+    (default: ``shmem_mype()`` when initialised, else 0). ``name``: the source's name in traces.
     ``calibrate``: measure a clock pair now (:meth:`calibrate`), so that a trace read later has one
     from its start and one from its end.
     Memory: ``16 * n_rings * capacity`` bytes plus a small header; at most 4 GiB.

@@ -220,8 +220,8 @@ def capture(
     host rings of the recorder in effect (:func:`mori.viz.record_host`), as a :class:`RankTrace`.
 
     ``calibrate``: measure one more clock pair per buffer first (so the pairs span the trace).
-    ``rank`` / ``world_size``: default the buffers' rank (or ``shmem_my_pe()``) and
-    ``shmem_n_pes()`` when mori.shmem is initialised, else 0 and 1. The devices must be idle.
+    ``rank`` / ``world_size``: default the buffers' rank (or ``shmem_mype()``) and
+    ``shmem_npes()`` when mori.shmem is initialised, else 0 and 1. The devices must be idle.
     """
     func = "capture"
     bufs = list(buffers)
