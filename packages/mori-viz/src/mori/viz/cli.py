@@ -1,6 +1,6 @@
 """mori-viz's extension of the ``mori`` command: ``mori viz export | summary | plot`` over saved
-rank traces (``*.mviz.npz`` files, or directories of them, as ``mori bench ep --trace DIR``
-writes)."""
+rank traces (``*.mviz.npz`` files, or directories of them), and ``mori bench viz`` (the cost of
+tracing)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from mori.core.bench import BenchSuite
 from mori.core.plugins import hookimpl
 
-__all__ = ["add_commands", "mori_add_commands"]
+__all__ = ["add_commands", "mori_add_commands", "mori_bench_suites"]
 
 
 def _inputs(p: argparse.ArgumentParser) -> None:
@@ -125,6 +126,14 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         return 2
 
     viz.set_defaults(func=usage)
+
+
+@hookimpl
+def mori_bench_suites() -> Sequence[BenchSuite]:
+    from mori.viz import bench
+
+    doc = bench.__doc__.splitlines()[0] if bench.__doc__ else ""
+    return [BenchSuite("viz", doc, bench.add_arguments, bench.run)]
 
 
 @hookimpl
