@@ -67,8 +67,13 @@ def test_each_thread_gets_its_ring_and_the_number_of_rings_is_bounded(
     assert len(rings) == 3 and rec.dropped_threads == 2
     assert [r.name.split(" ")[0] for r in rings] == ["MainThread", "worker-0", "worker-1"]
     assert all(r.read().events.size == 2 for r in rings[1:])
-    with pytest.raises(ValueError, match="3 host rings already"):
-        rec.native_ring("native")
+    # native rings: their own limit per process
+    monkeypatch.setattr(host, "_native", {})
+    for i in range(3):
+        host.native_ring(f"native-{i}")
+    assert host.native_ring("native-0") is host.native_ring("native-0"), "one ring per name"
+    with pytest.raises(ValueError, match="3 native rings already"):
+        host.native_ring("native-3")
 
 
 def test_a_full_host_ring_keeps_its_newest_events() -> None:
@@ -149,8 +154,11 @@ def test_native_slot_ids_are_pythons(native_lib: ctypes.CDLL, group: str, name: 
 def test_a_native_thread_records_into_its_ring(native_lib: ctypes.CDLL) -> None:
     assert native_lib.null_ring_enabled() == 0
     slots.declare_slots("test.native", ["work", "tick"])
-    rec = viz.record_host(capacity=64)
-    ring = rec.native_ring("proxy thread")
+    ring = host.native_ring("proxy thread", capacity=64)
+    native_lib.run_thread(ring.address, 5)  # not recording: nothing is written
+    assert ring.read().written.tolist() == [0]
+    viz.record_host(capacity=64)
+    assert host.native_ring("proxy thread") is ring
     t0 = time.monotonic_ns()
     native_lib.run_thread(ring.address, 5)
     t1 = time.monotonic_ns()
@@ -162,6 +170,9 @@ def test_a_native_thread_records_into_its_ring(native_lib: ctypes.CDLL) -> None:
     names = sorted((tl.slot_label(s.slot)[0], tl.tracks[s.track].name) for s in tl.spans)
     assert names == [("tick", "host · proxy thread")] + [("work", "host · proxy thread")] * 6
     assert len(tl.instants) == 5 and not tl.dropped
+    viz.stop_host_recording()
+    native_lib.run_thread(ring.address, 5)
+    assert ring.read().written.tolist() == [5 * 3 + 3], "stopped: nothing more"
 
 
 def test_include_dir_holds_the_header() -> None:

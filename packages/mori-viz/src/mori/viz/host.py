@@ -7,17 +7,21 @@ one parser reads both. Every writer has its own ring, so recording takes no lock
 * **Python**: :func:`span` (a context manager), :func:`traced` (a decorator) and :func:`instant`
   record into a ring of the calling thread, made on its first event. They record only while
   :func:`record_host` is in effect; otherwise they cost one global check.
-* **Native threads** (C++): :meth:`HostRecorder.native_ring` makes a ring and gives its address;
-  the thread records into it with the header-only ``mori_viz/host_trace.h``
-  (:func:`include_dir`), which needs neither Python nor ctypes at record time: ``clock_gettime``
-  and three stores per event. Slot ids there are computed from the same names
+* **Native threads** (C++): :func:`native_ring` makes a ring and gives its address, once, when
+  the thread is set up; the thread records into it with the header-only ``mori_viz/host_trace.h``
+  (:func:`include_dir`), which needs neither Python nor ctypes at record time: one flag load, then
+  ``clock_gettime`` and three stores per event. Native rings live as long as the process (their
+  memory is never freed, so an address handed out stays valid), keep their events across
+  recordings, and record only while :func:`record_host` is in effect (the ring's *recording*
+  word; a skipped event costs one load). Slot ids there are computed from the same names
   (``mori_viz::slot_id("io.engine", "post")``); declare the names on the Python side too
   (:func:`~mori.viz.slots.declare_slots`) so that the export can show them.
 
-Rings are bounded: at most :data:`MAX_RINGS` per process (a thread beyond that records nothing,
-and is counted in :attr:`HostRecorder.dropped_threads`), each keeps its newest ``capacity``
-events. Read rings only when their writers are quiet (a snapshot taken during writes may miss the
-last events, never mis-read older ones: a writer publishes its count after the event).
+Rings are bounded: at most :data:`MAX_RINGS` thread rings per recording (a thread beyond that
+records nothing and is counted in :attr:`HostRecorder.dropped_threads`) and :data:`MAX_RINGS`
+native rings per process; each keeps its newest ``capacity`` events. Read rings only when their
+writers are quiet (a snapshot taken during writes may miss the last events, never mis-read older
+ones: a writer publishes its count after the event).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ __all__ = [
     "HostRing",
     "include_dir",
     "instant",
+    "native_ring",
+    "native_rings",
     "record_host",
     "recorder",
     "span",
@@ -82,9 +88,13 @@ class HostRing:
 
     @property
     def address(self) -> int:
-        """Address of the ring's first word, for ``mori_viz::HostRing`` in native code. Valid while
-        this object is alive (the recorder keeps it until the next :func:`record_host`)."""
+        """Address of the ring's first word, for ``mori_viz::HostRing`` in native code (valid
+        while this object lives: for the process, for rings from :func:`native_ring`)."""
         return int(self.words.ctypes.data)
+
+    def set_recording(self, on: bool) -> None:
+        """Set the ring's *recording* word, which native writers check before every event."""
+        self.words[layout.H_RECORDING] = 1 if on else 0
 
     def record(self, kind: int, slot: int) -> None:
         """Append one event stamped now (the calling thread must be the ring's only writer)."""
@@ -113,9 +123,11 @@ class HostRecorder:
         self.dropped_threads = 0
 
     def rings(self) -> list[HostRing]:
-        """Every ring so far, in the order they were made."""
+        """The Python threads' rings of this recording, in the order they were made, then every
+        native ring of the process."""
         with self._lock:
-            return list(self._rings)
+            mine = list(self._rings)
+        return mine + native_rings()
 
     def _add(self, ring: HostRing) -> bool:
         with self._lock:
@@ -123,14 +135,6 @@ class HostRecorder:
                 return False
             self._rings.append(ring)
             return True
-
-    def native_ring(self, name: str, capacity: int | None = None) -> HostRing:
-        """A ring for one native thread (pass :attr:`HostRing.address` to it). Raises
-        :class:`~mori.core.errors.MoriValueError` when :data:`MAX_RINGS` rings exist."""
-        ring = HostRing(name, capacity or self.capacity, native=True)
-        if not self._add(ring):
-            raise MoriValueError(f"native_ring: this process has {MAX_RINGS} host rings already, the limit")
-        return ring
 
     def thread_ring(self) -> HostRing | None:
         """The calling thread's ring (made on first use), or None past the limit."""
@@ -149,13 +153,46 @@ class HostRecorder:
 
 
 _recorder: HostRecorder | None = None
+_native_lock = threading.Lock()
+_native: dict[str, HostRing] = {}
+
+
+def native_ring(name: str, capacity: int = DEFAULT_CAPACITY) -> HostRing:
+    """The process-wide ring ``name`` for one native thread (made on first use; the same ring for
+    the same name afterwards). Pass :attr:`HostRing.address` to the thread. Raises
+    :class:`~mori.core.errors.MoriValueError` when :data:`MAX_RINGS` native rings exist."""
+    with _native_lock:
+        ring = _native.get(name)
+        if ring is None:
+            if len(_native) >= MAX_RINGS:
+                raise MoriValueError(
+                    f"native_ring: this process has {MAX_RINGS} native rings already, the limit"
+                )
+            ring = HostRing(name, capacity, native=True)
+            ring.set_recording(_recorder is not None)
+            _native[name] = ring
+        return ring
+
+
+def native_rings() -> list[HostRing]:
+    """Every native ring of the process, in the order they were made."""
+    with _native_lock:
+        return list(_native.values())
+
+
+def _set_native_recording(on: bool) -> None:
+    with _native_lock:
+        for ring in _native.values():
+            ring.set_recording(on)
 
 
 def record_host(capacity: int = DEFAULT_CAPACITY) -> HostRecorder:
-    """Start recording host spans in this process (a fresh :class:`HostRecorder`, replacing any
-    earlier one); ``capacity`` events per ring (a power of two). Returns the recorder."""
+    """Start recording host spans in this process: Python threads into the rings of a fresh
+    :class:`HostRecorder` (replacing any earlier one), native threads into their rings;
+    ``capacity`` events per Python thread's ring (a power of two). Returns the recorder."""
     global _recorder
     _recorder = HostRecorder(capacity)
+    _set_native_recording(True)
     return _recorder
 
 
@@ -163,6 +200,7 @@ def stop_host_recording() -> HostRecorder | None:
     """Stop recording; return the recorder that was in effect (its rings stay readable)."""
     global _recorder
     r, _recorder = _recorder, None
+    _set_native_recording(False)
     return r
 
 

@@ -4,7 +4,7 @@ the host recorders and the parsers.
 A trace buffer is one int64 array (a torch tensor on the device that runs the kernels, or host
 memory for host threads)::
 
-    [0, HEADER_WORDS)                         header: MAGIC, VERSION, n_rings, capacity, 0...
+    [0, HEADER_WORDS)                         header: MAGIC, VERSION, n_rings, capacity, recording, 0...
     [HEADER_WORDS, HEADER_WORDS + 2*n_rings)  per ring: (events written ever, launches ever)
     [events_offset(n_rings), ...)             per ring: capacity events of 2 words each
 
@@ -52,9 +52,10 @@ __all__ = [
 MAGIC = int.from_bytes(b"MORIVIZ1", "little", signed=True)
 #: layout version in header word 1
 VERSION = 1
-#: header words before the ring table (word 2: n_rings, word 3: capacity; the rest are zero)
+#: header words before the ring table (word 2: n_rings, word 3: capacity, word 4: a host ring's
+#: "recording" flag; the rest are zero)
 HEADER_WORDS = 8
-H_MAGIC, H_VERSION, H_RINGS, H_CAPACITY = 0, 1, 2, 3
+H_MAGIC, H_VERSION, H_RINGS, H_CAPACITY, H_RECORDING = 0, 1, 2, 3, 4
 #: words per ring in the ring table: events written ever, launches ever
 RING_WORDS = 2
 #: words per event: timestamp, meta

@@ -217,7 +217,8 @@ def capture(
     calibrate: bool = True,
 ) -> RankTrace:
     """Everything this process recorded: the events of ``buffers`` and, with ``host``, of the
-    host rings of the recorder in effect (:func:`mori.viz.record_host`), as a :class:`RankTrace`.
+    host rings (the Python threads' of the recording in effect, :func:`mori.viz.record_host`, and
+    every native thread's), as a :class:`RankTrace`.
 
     ``calibrate``: measure one more clock pair per buffer first (so the pairs span the trace).
     ``rank`` / ``world_size``: default the buffers' rank (or ``shmem_mype()``) and
@@ -245,11 +246,12 @@ def capture(
             b.calibrate()
         sources.append(_device_source(b, b.read()))
     if host:
-        from mori.viz.host import recorder
+        from mori.viz.host import native_rings, recorder
 
         rec = recorder()
-        if rec is not None:
-            sources.append(_host_source(rec.rings()))
+        rings = rec.rings() if rec is not None else native_rings()
+        if rings:
+            sources.append(_host_source(rings))
     return RankTrace(
         rank,
         world_size,

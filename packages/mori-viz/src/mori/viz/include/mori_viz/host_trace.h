@@ -24,7 +24,7 @@ namespace mori_viz {
 
 // layout (mori/viz/layout.py)
 constexpr int64_t kMagic = 0x315A495649524F4DLL;  // "MORIVIZ1", little-endian
-constexpr int kHeaderWords = 8, kCapacityWord = 3, kEventWords = 2;
+constexpr int kHeaderWords = 8, kCapacityWord = 3, kRecordingWord = 4, kEventWords = 2;
 constexpr int kBegin = 0, kEnd = 1, kInstant = 2, kNext = 3;
 constexpr int kSlotShift = 2;
 constexpr uint32_t kMaxSlot = (1u << 14) - 1;
@@ -61,12 +61,14 @@ class HostRing {
     if (words == nullptr || words[0] != kMagic) return;
     int64_t capacity = words[kCapacityWord];
     if (capacity < 2 || (capacity & (capacity - 1)) != 0) return;
+    recording_ = words + kRecordingWord;
     count_ = words + kHeaderWords;                     // ring 0's event count
     events_ = words + kHeaderWords + 2;                // ring 0's events (one ring: 2 table words)
     mask_ = capacity - 1;
     written_ = __atomic_load_n(count_, __ATOMIC_RELAXED);
   }
 
+  // whether this is a ring at all (a ring records only while mori.viz records host spans)
   bool enabled() const { return count_ != nullptr; }
   void begin(uint16_t slot) { record(kBegin, slot); }
   void end(uint16_t slot) { record(kEnd, slot); }
@@ -76,7 +78,7 @@ class HostRing {
 
  private:
   void record(int kind, uint16_t slot) {
-    if (count_ == nullptr) return;
+    if (count_ == nullptr || __atomic_load_n(recording_, __ATOMIC_RELAXED) == 0) return;
     int64_t* e = events_ + (written_ & mask_) * kEventWords;
     e[0] = now_ns();
     e[1] = static_cast<int64_t>(kind | (static_cast<int64_t>(slot & kMaxSlot) << kSlotShift));
@@ -84,6 +86,7 @@ class HostRing {
     __atomic_store_n(count_, written_, __ATOMIC_RELEASE);
   }
 
+  const int64_t* recording_ = nullptr;
   int64_t* count_ = nullptr;
   int64_t* events_ = nullptr;
   int64_t mask_ = 0;
