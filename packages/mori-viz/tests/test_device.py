@@ -20,7 +20,10 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("triton", reason="the device helpers need Triton (pip install mori-core[triton])")
+# (find_spec, not importorskip: spawned ranks import this module before they set TRITON_INTERPRET,
+# and Triton chooses the interpreter for its own jitted helpers, such as tl.cdiv, when it is imported)
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("the device helpers need Triton (pip install mori-core[triton])", allow_module_level=True)
 
 from mori.testing import run_ranks, shmem_ranks
 
