@@ -88,6 +88,7 @@ def plot_gantt(
         if i.track in row:
             x = (i.ts_ns - t0) / 1000.0
             ax.plot([x, x], [row[i.track] - 0.45, row[i.track] + 0.45], color=color[i.slot], linewidth=1.2)
+    ax.ticklabel_format(axis="x", style="plain", useOffset=False)
     ax.set_yticks(range(len(used)))
     ax.set_yticklabels([f"r{tl_.tracks[t].rank} {tl_.tracks[t].name}" for t in used], fontsize=7)
     ax.invert_yaxis()
