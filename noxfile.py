@@ -379,7 +379,9 @@ def lint(session: nox.Session) -> None:
     # and everything else in them, host code included, gets the strict treatment.
     try:
         session.run(
-            "mypy", *(p.relative_to(ROOT).as_posix() for p in MYPY_TARGETS), env={"MYPYPATH": os.pathsep.join(map(str, (MYPY_SRC, MYPY_VIZ_SRC)))}
+            "mypy",
+            *(p.relative_to(ROOT).as_posix() for p in MYPY_TARGETS),
+            env={"MYPYPATH": os.pathsep.join(map(str, (MYPY_SRC, MYPY_VIZ_SRC)))},
         )
     except CommandFailed:
         failed.append("mypy")

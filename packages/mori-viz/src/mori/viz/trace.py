@@ -111,7 +111,7 @@ class RankTrace:
             arrays[f"lost_{i}"] = s.lost.astype(np.int64)
         tmp = out.with_name(out.name + ".tmp")
         with tmp.open("wb") as fh:
-            np.savez_compressed(fh, **arrays)  # type: ignore[arg-type]
+            np.savez_compressed(fh, **arrays)  # type: ignore[arg-type,unused-ignore]
         tmp.replace(out)
         return out
 
