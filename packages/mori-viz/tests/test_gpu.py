@@ -60,7 +60,7 @@ def _on_one_gpu(rank: int, n: int, out_dir: str) -> dict[str, Any]:
         assert ev["launch"].tolist() == [i // per_launch for i in range(6 * per_launch)]
     trace = viz.capture([buf], host=False)
     assert len(trace.sources[0].clock_pairs) == 2
-    report = viz.export_to_perfetto(trace, Path(out_dir) / "gpu.pftrace")
+    report = viz.export_to_perfetto(trace, Path(out_dir) / "gpu.json")  # JSON: no perfetto package needed
     # per program and launch: kernel, split, copy and 3 chunks
     return {"spans": report.spans, "dropped": report.orphans_dropped, "pair": pair.to_json()}
 

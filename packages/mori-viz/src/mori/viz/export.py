@@ -213,7 +213,7 @@ def _track_order(tl_: Timeline) -> list[int]:
     )
 
 
-def _tid(tl_: Timeline, i: int) -> int:
+def _tid(i: int) -> int:
     return i + 1  # Chrome JSON: tid 0 is avoided (some viewers treat it as the process itself)
 
 
@@ -234,7 +234,7 @@ def write_chrome_json(tl_: Timeline, path: Path, traces: Sequence[RankTrace]) ->
         )
     for order, i in enumerate(_track_order(tl_)):
         tr = tl_.tracks[i]
-        tid = _tid(tl_, i)
+        tid = _tid(i)
         events.append(
             {"ph": "M", "name": "thread_name", "pid": tr.rank, "tid": tid, "args": {"name": tr.name}}
         )
@@ -247,7 +247,7 @@ def write_chrome_json(tl_: Timeline, path: Path, traces: Sequence[RankTrace]) ->
                 "args": {"sort_index": order},
             }
         )
-    labels = {s: tl_.slot_label(s) for s in set(tl_.slot_names) | {x.slot for x in tl_.spans}}
+    labels: dict[int, tuple[str, str]] = {}  # slot -> (name, group), computed once per slot
 
     def label(slot: int) -> tuple[str, str]:
         if slot not in labels:
@@ -265,7 +265,7 @@ def write_chrome_json(tl_: Timeline, path: Path, traces: Sequence[RankTrace]) ->
                 "ts": _us(sp.start_ns),
                 "dur": _us(sp.end_ns - sp.start_ns),
                 "pid": tr.rank,
-                "tid": _tid(tl_, sp.track),
+                "tid": _tid(sp.track),
                 "args": {"launch": sp.launch, "slot": sp.slot},
             }
         )
@@ -280,7 +280,7 @@ def write_chrome_json(tl_: Timeline, path: Path, traces: Sequence[RankTrace]) ->
                 "cat": cat,
                 "ts": _us(ins.ts_ns),
                 "pid": tr.rank,
-                "tid": _tid(tl_, ins.track),
+                "tid": _tid(ins.track),
                 "args": {"launch": ins.launch, "slot": ins.slot},
             }
         )
@@ -294,7 +294,7 @@ def write_chrome_json(tl_: Timeline, path: Path, traces: Sequence[RankTrace]) ->
                 "cat": cat,
                 "ts": _us(o.ts_ns),
                 "pid": tr.rank,
-                "tid": _tid(tl_, o.track),
+                "tid": _tid(o.track),
                 "args": {"launch": o.launch, "slot": o.slot, "orphan": True},
             }
         )
