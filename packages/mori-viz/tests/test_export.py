@@ -259,3 +259,8 @@ def test_mori_viz_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "nothing to draw in launch 7" in capsys.readouterr().err
     assert mori_cli.main(["viz"]) == 2
     assert mori_cli.main(["viz", "summary", str(tmp_path / "missing")]) == 1
+    capsys.readouterr()
+    assert mori_cli.main(["viz", "slots", "mori.viz.examples"]) == 0
+    out = capsys.readouterr().out
+    assert f"{slots.slot_id('viz.example', 'kernel'):>5}  viz.example/kernel" in out
+    assert mori_cli.main(["viz", "slots", "mori.no_such_module"]) == 1

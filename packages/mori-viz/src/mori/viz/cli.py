@@ -94,6 +94,39 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+#: modules whose slot declarations ``mori viz slots`` lists by default (those that are installed)
+SLOT_MODULES = ("mori.viz.examples", "mori.ep.kernels")
+
+
+def _cmd_slots(args: argparse.Namespace) -> int:
+    import importlib
+
+    from mori.core.errors import MoriValueError
+    from mori.viz.slots import slot_table
+
+    modules = args.modules or [m for m in SLOT_MODULES if _installed(m)]
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except ImportError as e:
+            raise MoriValueError(f"mori viz slots: cannot import {m}: {e}") from e
+    table = sorted(slot_table().items(), key=lambda kv: (kv[1].group, kv[0]))
+    print(f"{'id':>5}  slot")
+    for sid, info in table:
+        print(f"{sid:>5}  {info}")
+    print(f"{len(table)} slots declared by {', '.join(modules) or 'no module'}")
+    return 0
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a namespace component that is not installed
+        return False
+
+
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``viz`` and its sub-commands to ``mori``."""
     viz = subparsers.add_parser(
@@ -120,6 +153,15 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--launch", type=int, default=None, help="only this launch (graph replay) number")
     p.add_argument("--max-tracks", type=int, default=64, help="most rows (default 64)")
     p.set_defaults(func=_cmd_plot)
+
+    p = sub.add_parser("slots", help="list the declared slots (id and group/name) of kernel modules")
+    p.add_argument(
+        "modules",
+        nargs="*",
+        metavar="MODULE",
+        help=f"modules to import (default: those of {', '.join(SLOT_MODULES)} that are installed)",
+    )
+    p.set_defaults(func=_cmd_slots)
 
     def usage(_args: argparse.Namespace) -> int:
         viz.print_help()
