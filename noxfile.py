@@ -535,8 +535,13 @@ def build(session: nox.Session) -> None:
     editable = _venv(session, "editable")
     _pip(session, editable, "install", "--quiet", "--no-compile", "-e", CORE.rel)
     ep = next((d for d in DISTS if d.name == "mori-ep"), None)
-    if ep is None:
-        session.error("packages/mori-ep is missing: the editable check installs mori-core with mori-ep")
+    viz = next((d for d in DISTS if d.name == "mori-viz"), None)
+    if ep is None or viz is None:
+        session.error(
+            "packages/mori-ep or mori-viz is missing: the editable check installs them with mori-core"
+        )
+    # mori-ep needs mori-viz (its kernels' trace helpers), which is on no index: install it first
+    _pip(session, editable, "install", "--quiet", "--no-compile", "-e", viz.rel)
     _pip(session, editable, "install", "--quiet", "--no-compile", "-e", ep.rel)
     _script(session, editable, "check_editable.py", _CHECK_EDITABLE.format(root=str(ROOT / "packages")))
     _script(session, editable, "check_missing.py", _CHECK_MISSING.format(missing={"mori.io": "mori-io"}))
