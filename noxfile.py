@@ -43,9 +43,10 @@ DOCS_DEPS = nox.project.dependency_groups(PYPROJECT, "docs")
 KERNEL_DEPS = nox.project.dependency_groups(PYPROJECT, "kernels")  # the pinned Triton
 
 # mypy --strict covers all of mori-core: mori.core, mori.shmem, mori.ir, mori.jit and the top-level
-# modules of the namespace (config: [tool.mypy] in the root pyproject).
+# modules of the namespace, and mori-viz (config: [tool.mypy] in the root pyproject).
 MYPY_SRC = ROOT / "packages" / "mori-core" / "src"
-MYPY_TARGETS = [MYPY_SRC / "mori"]
+MYPY_VIZ_SRC = ROOT / "packages" / "mori-viz" / "src"
+MYPY_TARGETS = [MYPY_SRC / "mori", MYPY_VIZ_SRC / "mori" / "viz"]
 
 #: what ``nox -s build`` imports from the full install: the architecture of record (DESIGN.md),
 #: plus every ``mori.<x>`` package found in the built wheels
@@ -378,7 +379,9 @@ def lint(session: nox.Session) -> None:
     # and everything else in them, host code included, gets the strict treatment.
     try:
         session.run(
-            "mypy", *(p.relative_to(ROOT).as_posix() for p in MYPY_TARGETS), env={"MYPYPATH": str(MYPY_SRC)}
+            "mypy",
+            *(p.relative_to(ROOT).as_posix() for p in MYPY_TARGETS),
+            env={"MYPYPATH": os.pathsep.join(map(str, (MYPY_SRC, MYPY_VIZ_SRC)))},
         )
     except CommandFailed:
         failed.append("mypy")
@@ -532,8 +535,13 @@ def build(session: nox.Session) -> None:
     editable = _venv(session, "editable")
     _pip(session, editable, "install", "--quiet", "--no-compile", "-e", CORE.rel)
     ep = next((d for d in DISTS if d.name == "mori-ep"), None)
-    if ep is None:
-        session.error("packages/mori-ep is missing: the editable check installs mori-core with mori-ep")
+    viz = next((d for d in DISTS if d.name == "mori-viz"), None)
+    if ep is None or viz is None:
+        session.error(
+            "packages/mori-ep or mori-viz is missing: the editable check installs them with mori-core"
+        )
+    # mori-ep needs mori-viz (its kernels' trace helpers), which is on no index: install it first
+    _pip(session, editable, "install", "--quiet", "--no-compile", "-e", viz.rel)
     _pip(session, editable, "install", "--quiet", "--no-compile", "-e", ep.rel)
     _script(session, editable, "check_editable.py", _CHECK_EDITABLE.format(root=str(ROOT / "packages")))
     _script(session, editable, "check_missing.py", _CHECK_MISSING.format(missing={"mori.io": "mori-io"}))

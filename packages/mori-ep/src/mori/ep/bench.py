@@ -212,6 +212,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="where to draw the plot (default: the JSON path with .png; 'none' for no plot; needs matplotlib)",
     )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="also time dispatch and combine with tracing compiled in and on (mori.viz), next to the "
+        "untraced kernels, and write each rank's trace to DIR/<tokens>-<dtype>/ (GPU kernels only)",
+    )
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -254,11 +261,25 @@ def _check_args(args: argparse.Namespace) -> None:
         raise bad_value(SUITE, "--warps", args.warps, "an int >= 1, or -1 for the op's default")
     if args.timeout <= 0:
         raise bad_value(SUITE, "--timeout", args.timeout, "seconds > 0")
+    if args.trace and dev != "cuda":
+        raise bad_value(
+            SUITE, "--trace", args.trace, "a directory with --device cuda (only the kernels record)"
+        )
 
 
 #: the options the ranks need (the rest stays in this process)
 _SPEC_KEYS: tuple[str, ...] = ("device", "ranks", "tokens", "hidden", "experts", "topk", "dtype", "sms")
-_SPEC_KEYS += ("warps", "kernel_type", "iters", "warmup", "reps", "seed", "zero_copy", "combine_quant")
+_SPEC_KEYS += (
+    "warps",
+    "kernel_type",
+    "iters",
+    "warmup",
+    "reps",
+    "seed",
+    "zero_copy",
+    "combine_quant",
+    "trace",
+)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -275,6 +296,8 @@ def run(args: argparse.Namespace) -> int:
             spec["baseline_skipped"] = f"NCCL needs one GPU per rank; {args.ranks} ranks share {gpus} GPUs"
     spec["port"] = _free_port()
     results = _launch(spec, args.timeout)
+    if spec["trace"]:
+        _export_traces(spec)
     rows = _rows(spec, results)
     verified = _report(spec, results, rows)
     config = {**spec, "device_name": results[0]["device_name"], "torch": results[0]["torch"]}
@@ -286,6 +309,21 @@ def run(args: argparse.Namespace) -> int:
     if args.plot != "none":
         _plot(args.plot or path.with_suffix(".png"), rows, config)
     return 0 if verified else 1
+
+
+def _trace_dir(spec: dict[str, Any], tokens: int, dtype: str) -> str:
+    return os.path.join(spec["trace"], f"{tokens}-{dtype}")
+
+
+def _export_traces(spec: dict[str, Any]) -> None:
+    """One Perfetto trace of every rank per case, from the ranks' saved traces."""
+    from mori import viz
+
+    for tokens in spec["tokens"]:
+        for dtype in spec["dtype"]:
+            d = _trace_dir(spec, tokens, dtype)
+            report = viz.export_to_perfetto(viz.load_traces(d), os.path.join(d, "trace.json"))
+            print(f"trace: {report.summary()}")
 
 
 # -- formulas -------------------------------------------------------------------------------------------
@@ -704,10 +742,22 @@ def _case(
     ok = n_recv == rows[rank] and bool(torch.allclose(combined, expected, rtol=tol, atol=tol))
     timer = _Timer(spec, dev)
     ours = []
+    trace_buf = None
     for sms in spec["sms"]:
         d = timer(functools.partial(dispatch, sms), capture=True)
         c = timer(functools.partial(combine, sms), capture=True)
         ours.append({"sms": sms, "dispatch": d, "combine": c})
+        if spec["trace"]:  # the same calls with the traced kernels, right after the untraced ones
+            trace_buf = op.enable_tracing(trace_buf)
+            ours[-1]["dispatch_traced"] = timer(functools.partial(dispatch, sms), capture=True)
+            ours[-1]["combine_traced"] = timer(functools.partial(combine, sms), capture=True)
+            op.disable_tracing()
+    if trace_buf is not None:
+        from mori import viz
+
+        viz.capture([trace_buf], host=False).save(
+            os.path.join(_trace_dir(spec, tokens, dtype), f"rank{rank}")
+        )
     result: dict[str, Any] = {
         "tokens": tokens,
         "dtype": dtype,
@@ -820,6 +870,12 @@ def _rows(spec: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str,
                     "verified": verified,
                     "samples_us": [s * 1e6 for s in samples],
                 }
+                if f"{phase}_traced" in per_rank[0]["ours"][si]:
+                    traced = _lat(_slowest([c["ours"][si][f"{phase}_traced"]["samples"] for c in per_rank]))
+                    row["traced"] = {
+                        "latency_us": traced,
+                        "ratio": traced["median"] / row["latency_us"]["median"],
+                    }
                 if all(b is not None for b in base):
                     row["baseline"] = _baseline_row(base, phase, base_name, b_dpe, row)
                     row["ratio"] = row["baseline"]["latency_us"]["median"] / row["latency_us"]["median"]
@@ -945,6 +1001,16 @@ def _report(spec: dict[str, Any], results: list[dict[str, Any]], rows: list[dict
             )
     if spec["baseline_skipped"]:
         print(f"baseline not run: {spec['baseline_skipped']}")
+    if rows and "traced" in rows[0]:
+        print(
+            "tracing compiled in and on (mori.viz) vs off, same calls, timed right after (traced/untraced):"
+        )
+        for r in rows:
+            t = r["traced"]
+            print(
+                f"  {r['phase']} {r['tokens']} tokens {r['dtype']} sms {r['sms']}: {_fmt_lat(t['latency_us'])} us "
+                f"vs {_fmt_lat(r['latency_us'])} us, ratio {t['ratio']:.4f}"
+            )
     verified = all(r["verified"] for r in rows)
     base_ok = all(r["baseline"]["verified"] for r in rows if "baseline" in r)
     print(

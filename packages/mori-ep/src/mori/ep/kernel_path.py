@@ -9,7 +9,7 @@ value on the host, so dispatch and combine can be captured in a CUDA graph and r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -124,6 +124,12 @@ class KernelPath:
             props = torch.cuda.get_device_properties(dev)
             arch = getattr(props, "gcnArchName", "").split(":")[0] or f"sm{props.major}{props.minor}"
             self.model = (arch, props.name.split()[-1])
+        #: the mori.viz trace buffer the kernels record into (their traced variants), or None
+        self.trace: Any = None
+
+    def _trace(self) -> dict[str, Any]:
+        # launch arguments of the traced variant; none (the defaults: untraced) when off
+        return {} if self.trace is None else {"trace_ptr": self.trace.tensor, "TRACE": True}
 
     # -- geometry ------------------------------------------------------------------------------
 
@@ -226,6 +232,7 @@ class KernelPath:
             BLOCK=tile.block,
             SC_BLOCK=min(256, _pow2_at_least(max(sb, 1))),
             num_warps=warps,
+            **self._trace(),
         )
 
     def disagreement(self, func: str) -> MoriValueError | None:
@@ -248,7 +255,12 @@ class KernelPath:
         if launch:
             replay_total = routing.total_recv if routing is not None else self.total_recv
             self.kernels.dispatch_recv_kernel[(1,)](
-                self.ctrl, self.total_recv, replay_total, W=op.world_size, REPLAY=routing is not None
+                self.ctrl,
+                self.total_recv,
+                replay_total,
+                W=op.world_size,
+                REPLAY=routing is not None,
+                **self._trace(),
             )
         if count:
             self._local_expert_count()
@@ -393,6 +405,7 @@ class KernelPath:
             BT=bt,
             BLOCK=block,
             num_warps=warps,
+            **self._trace(),
         )
 
     def _push_chunk(self, block_num: int, warp_per_block: int, dtype: torch.dtype) -> int | None:
@@ -482,6 +495,7 @@ class KernelPath:
             BT=tile.rows,
             BLOCK=tile.block,
             num_warps=warps,
+            **self._trace(),
         )
 
 

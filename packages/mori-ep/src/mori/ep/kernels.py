@@ -66,6 +66,8 @@ import triton.language as tl
 
 from mori.core.kernels import aot_variants, device_function
 from mori.shmem import device as shd
+from mori.viz import device as vd
+from mori.viz.slots import declare_slots
 
 __all__ = [
     "err_d_word",
@@ -93,6 +95,14 @@ def desc_d_words(world: int, epoch: int) -> slice:
     """The W descriptor words of dispatch ``epoch`` (two alternate, by parity)."""
     base = 4 * world + 7 + (epoch % 2) * world
     return slice(base, base + world)
+
+
+#: the protocol phases the kernels record when their TRACE constexpr is on (mori.viz)
+DISPATCH = declare_slots(
+    "ep.dispatch", ["kernel", "wait_ready", "reserve", "send", "fence", "done", "receive"]
+)
+COMBINE = declare_slots("ep.combine", ["kernel", "stage", "fence", "done", "wait", "reduce", "release"])
+PUSH = declare_slots("ep.combine_push", ["kernel", "push", "reduce", "flag", "fence", "done", "release"])
 
 
 @device_function
@@ -141,21 +151,36 @@ def _peers_disagree(ctrl_ptr, desc, epoch, W: tl.constexpr):
 
 @device_function
 @triton.jit
-def _finish(ctrl_ptr, ticket_off, epoch_off, done_off, epoch, ctx_ptr, W: tl.constexpr):
+def _finish(
+    ctrl_ptr,
+    ticket_off,
+    epoch_off,
+    done_off,
+    epoch,
+    ctx_ptr,
+    tr,
+    W: tl.constexpr,
+    FENCE: tl.constexpr,
+    DONE: tl.constexpr,
+):
     # every program: fence its stores, take a ticket; the last one advances the epoch and tells
     # every peer that this rank's call `epoch` is complete. The release of each ticket and the
     # acquire of the last one chain every program's stores before the peers' signals.
-    # Returns whether this program was the last.
+    # Returns whether this program was the last, and the trace state (phases FENCE, DONE).
+    tr = vd.begin(tr, FENCE)
     shd.fence(ctx_ptr)
     ticket = tl.atomic_add(ctrl_ptr + ticket_off, 1, sem="acq_rel", scope="sys")
     last = ticket == tl.num_programs(0) - 1
+    tr = vd.end(tr, FENCE)
     if last:
+        tr = vd.begin(tr, DONE)
         tl.store(ctrl_ptr + ticket_off, 0)
         tl.store(ctrl_ptr + epoch_off, epoch)
         me = shd.my_pe(ctx_ptr)
         for q in tl.static_range(W):
             shd.signal_op(ctrl_ptr + done_off + me, 1, shd.SIGNAL_ADD, q, ctx_ptr)
-    return last
+        tr = vd.end(tr, DONE)
+    return last, tr
 
 
 @device_function
@@ -190,6 +215,23 @@ def _dest_ranks(idx_ptr, toks, tmask, n_experts, E_LOCAL, K: tl.constexpr, K_P2:
 def _pick(vec, lanes, p):
     # vec[p] of a small vector (a scalar)
     return tl.sum(tl.where(lanes == p, vec, 0), axis=0)
+
+
+def _with_trace(variants: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    # every variant untraced (TRACE off: the kernel without instrumentation), the first one traced too
+    out = [
+        {
+            **v,
+            "signature": {**v["signature"], "trace_ptr": "*i64"},
+            "constexprs": {**v["constexprs"], "TRACE": False},
+        }
+        for v in variants
+    ]
+    first = out[0]
+    return [
+        *out,
+        {**first, "constexprs": {**first["constexprs"], "TRACE": True}, "label": first["label"] + " traced"},
+    ]
 
 
 def _dispatch_variants() -> list[dict[str, Any]]:
@@ -253,7 +295,7 @@ def _dispatch_variants() -> list[dict[str, Any]]:
     return out
 
 
-@aot_variants(_dispatch_variants())
+@aot_variants(_with_trace(_dispatch_variants()))
 @triton.jit
 def dispatch_kernel(
     # this rank's tokens: rows of words [N, >= row_words], weights fp32 [N, K], scales bytes
@@ -304,12 +346,18 @@ def dispatch_kernel(
     BT: tl.constexpr,
     BLOCK: tl.constexpr,
     SC_BLOCK: tl.constexpr,
+    # trace buffer (mori.viz) when TRACE; None otherwise
+    trace_ptr=None,
+    TRACE: tl.constexpr = False,
 ):
     """Reserve rows on every destination rank and store this rank's tokens there (see module)."""
     READY_D, DONE_D, _rc, _dc, SLOT, EPOCH_D, _ec, TICKET_D, _tc = _ctrl_offsets(W)
+    tr = vd.open_trace(trace_ptr, TRACE)
+    tr = vd.begin(tr, DISPATCH.kernel)
     pid = tl.program_id(0)
     me = shd.my_pe(ctx_ptr)
     epoch = tl.load(ctrl_ptr + EPOCH_D) + 1
+    tr = vd.begin(tr, DISPATCH.wait_ready)
     _post_desc(ctrl_ptr, desc, epoch, ctx_ptr, W)
     _handshake(ctrl_ptr, READY_D, epoch, ctx_ptr, W)
     # ranks that disagree on the call send nothing (every rank sees the same descriptors)
@@ -317,6 +365,7 @@ def dispatch_kernel(
     if _peers_disagree(ctrl_ptr, desc, epoch, W):
         tl.store(ctrl_ptr + 4 * W + 6, epoch)  # ERR_D: the host names the fields
         n_send = 0
+    tr = vd.next_span(tr, DISPATCH.reserve)
 
     per = tl.cdiv(n_send, tl.num_programs(0))
     t_begin = pid * per
@@ -344,6 +393,7 @@ def dispatch_kernel(
                 base += tl.where(lanes == p, b.to(tl.int32), 0)
 
     # pass 2: each token row is loaded once and stored to every rank it goes to
+    tr = vd.next_span(tr, DISPATCH.send)
     ks = tl.arange(0, K_P2)
     kmask = ks < K
     cols0 = tl.arange(0, BLOCK)
@@ -423,29 +473,50 @@ def dispatch_kernel(
                 tl.store(dest_slot_ptr + p * M + toks, -1, mask=toks < t_end)
         t0 += BLOCK
 
-    last = _finish(ctrl_ptr, TICKET_D, EPOCH_D, DONE_D, epoch, ctx_ptr, W)
+    tr = vd.end(tr, DISPATCH.send)
+    last, tr = _finish(
+        ctrl_ptr, TICKET_D, EPOCH_D, DONE_D, epoch, ctx_ptr, tr, W, DISPATCH.fence, DISPATCH.done
+    )
     if RECV:  # noqa: SIM102  (a constexpr and a tensor: Triton takes no `and` here)
         if last:  # every other program of this launch is done: nothing waits for this one
+            tr = vd.begin(tr, DISPATCH.receive)
             _publish_total(ctrl_ptr, total_ptr, replay_total_ptr, epoch, W, REPLAY)
+            tr = vd.end(tr, DISPATCH.receive)
+    tr = vd.end(tr, DISPATCH.kernel)
+    vd.close_trace(tr)
 
 
 @aot_variants(
-    [
-        {
-            "signature": {"ctrl_ptr": "*i64", "total_ptr": "*i32", "replay_total_ptr": "*i32"},
-            "constexprs": {"W": w, "REPLAY": replay},
-            "aligned": ("ctrl_ptr",),
-            "label": f"W={w} replay={replay}",
-        }
-        for w, replay in ((2, 0), (8, 0), (2, 1))
-    ]
+    _with_trace(
+        [
+            {
+                "signature": {"ctrl_ptr": "*i64", "total_ptr": "*i32", "replay_total_ptr": "*i32"},
+                "constexprs": {"W": w, "REPLAY": replay},
+                "aligned": ("ctrl_ptr",),
+                "label": f"W={w} replay={replay}",
+            }
+            for w, replay in ((2, 0), (8, 0), (2, 1))
+        ]
+    )
 )
 @triton.jit
-def dispatch_recv_kernel(ctrl_ptr, total_ptr, replay_total_ptr, W: tl.constexpr, REPLAY: tl.constexpr):
+def dispatch_recv_kernel(
+    ctrl_ptr,
+    total_ptr,
+    replay_total_ptr,
+    W: tl.constexpr,
+    REPLAY: tl.constexpr,
+    trace_ptr=None,
+    TRACE: tl.constexpr = False,
+):
     """One program (AsyncLL's receive half): wait for every peer's dispatch, publish
     ``total_recv``, reset the slot counter."""
     _rd, _dd, _rc, _dc, _s, EPOCH_D, _ec, _td, _tc = _ctrl_offsets(W)
+    tr = vd.open_trace(trace_ptr, TRACE)
+    tr = vd.begin(tr, DISPATCH.receive)
     _publish_total(ctrl_ptr, total_ptr, replay_total_ptr, tl.load(ctrl_ptr + EPOCH_D), W, REPLAY)
+    tr = vd.end(tr, DISPATCH.receive)
+    vd.close_trace(tr)
 
 
 @device_function
@@ -592,7 +663,7 @@ def _combine_variants() -> list[dict[str, Any]]:
     return out
 
 
-@aot_variants(_combine_variants())
+@aot_variants(_with_trace(_combine_variants()))
 @triton.jit
 def combine_kernel(
     # expert outputs, row i for received row i: words [>= total, >= row_words] (copied to the
@@ -644,6 +715,9 @@ def combine_kernel(
     QB: tl.constexpr,
     BT: tl.constexpr,
     BLOCK: tl.constexpr,
+    # trace buffer (mori.viz) when TRACE; None otherwise
+    trace_ptr=None,
+    TRACE: tl.constexpr = False,
 ):
     """Combine by gathering: every rank reads each of its tokens' rows where they are.
 
@@ -666,6 +740,8 @@ def combine_kernel(
     quantised.
     """
     _rd, _dd, _rc, DONE_C, _s, _ed, EPOCH_C, _td, TICKET_C = _ctrl_offsets(W)
+    tr = vd.open_trace(trace_ptr, TRACE)
+    tr = vd.begin(tr, COMBINE.kernel)
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BT
     me = shd.my_pe(ctx_ptr)
@@ -673,6 +749,7 @@ def combine_kernel(
     ks = tl.arange(0, K_P2)
     cols0 = tl.arange(0, BLOCK)
     if DO_STAGE:
+        tr = vd.begin(tr, COMBINE.stage)
         epoch = tl.load(ctrl_ptr + EPOCH_C) + 1
         total = tl.minimum(tl.load(total_ptr), n_inp_rows)
         span = W * M
@@ -728,14 +805,19 @@ def combine_kernel(
                 wts = tl.load(w_ptr + rows[:, None] * K + ks[None, :], mask=mk)
                 tl.store(cw_ptr + rows[:, None] * K + ks[None, :], wts, mask=mk)
             r0 += step
-        _finish(ctrl_ptr, TICKET_C, EPOCH_C, DONE_C, epoch, ctx_ptr, W)
+        tr = vd.end(tr, COMBINE.stage)
+        _, tr = _finish(
+            ctrl_ptr, TICKET_C, EPOCH_C, DONE_C, epoch, ctx_ptr, tr, W, COMBINE.fence, COMBINE.done
+        )
     if DO_REDUCE:
         if DO_STAGE:
             target = epoch
         else:  # advanced by the last program of the STAGE launch
             target = tl.load(ctrl_ptr + EPOCH_C)
+        tr = vd.begin(tr, COMBINE.wait)
         for q in tl.static_range(W):
             shd.wait_until(ctrl_ptr + DONE_C + q, shd.SHMEM_CMP_GE, target)
+        tr = vd.next_span(tr, COMBINE.reduce)
         t0 = pid * BT
         while t0 < n_tok:
             toks = t0 + offs
@@ -786,7 +868,11 @@ def combine_kernel(
                     acc_w += tl.load(src_w[:, None] + ks[None, :], mask=mk & (slot >= 0)[:, None], other=0.0)
                 tl.store(out_w_ptr + toks[:, None] * K + ks[None, :], acc_w, mask=mk)
             t0 += step
+        tr = vd.next_span(tr, COMBINE.release)
         _release_reads(ctrl_ptr, target, ctx_ptr, W)
+        tr = vd.end(tr, COMBINE.release)
+    tr = vd.end(tr, COMBINE.kernel)
+    vd.close_trace(tr)
 
 
 def _combine_push_variants() -> list[dict[str, Any]]:
@@ -988,7 +1074,7 @@ def _flag_chunk(c, epoch, flag_ptr, n_chunks, ctx_ptr, W: tl.constexpr):
             shd.signal_op(flag_ptr + me * n_chunks + c, epoch, shd.SIGNAL_SET, p, ctx_ptr)
 
 
-@aot_variants(_combine_push_variants())
+@aot_variants(_with_trace(_combine_push_variants()))
 @triton.jit
 def combine_push_kernel(
     # expert outputs, row i for received row i: as words [>= n_inp_rows, >= row_words] and typed
@@ -1032,6 +1118,9 @@ def combine_push_kernel(
     CT: tl.constexpr,
     BT: tl.constexpr,
     BLOCK: tl.constexpr,
+    # trace buffer (mori.viz) when TRACE; None otherwise
+    trace_ptr=None,
+    TRACE: tl.constexpr = False,
 ):
     """Combine by pushing, for an expert output outside the registered buffer.
 
@@ -1047,6 +1136,8 @@ def combine_push_kernel(
     may alternate on one operator.
     """
     _rd, _dd, _rc, DONE_C, _s, _ed, EPOCH_C, _td, TICKET_C = _ctrl_offsets(W)
+    tr = vd.open_trace(trace_ptr, TRACE)
+    tr = vd.begin(tr, PUSH.kernel)
     step = tl.num_programs(0)
     if DO_PUSH:
         epoch = tl.load(ctrl_ptr + EPOCH_C) + 1
@@ -1061,6 +1152,7 @@ def combine_push_kernel(
     c = tl.program_id(0)
     if DO_PUSH:  # noqa: SIM102  (a constexpr and a tensor: Triton takes no `and` here)
         if c < n_chunks:
+            tr = vd.begin(tr, PUSH.push)
             _push_chunk(
                 c,
                 inp_ptr,
@@ -1082,11 +1174,14 @@ def combine_push_kernel(
                 BT,
                 BLOCK,
             )
+            tr = vd.next_span(tr, PUSH.flag)
             _flag_chunk(c, epoch, flag_ptr, n_chunks, ctx_ptr, W)
+            tr = vd.end(tr, PUSH.flag)
     while c < n_chunks:
         nxt = c + step
         if DO_PUSH:  # noqa: SIM102
             if nxt < n_chunks:
+                tr = vd.begin(tr, PUSH.push)
                 _push_chunk(
                     nxt,
                     inp_ptr,
@@ -1108,7 +1203,9 @@ def combine_push_kernel(
                     BT,
                     BLOCK,
                 )
+                tr = vd.end(tr, PUSH.push)
         if DO_REDUCE:
+            tr = vd.begin(tr, PUSH.reduce)
             _reduce_chunk(
                 c,
                 epoch,
@@ -1136,11 +1233,18 @@ def combine_push_kernel(
                 BT,
                 BLOCK,
             )
+            tr = vd.end(tr, PUSH.reduce)
         if DO_PUSH:  # noqa: SIM102
             if nxt < n_chunks:
+                tr = vd.begin(tr, PUSH.flag)
                 _flag_chunk(nxt, epoch, flag_ptr, n_chunks, ctx_ptr, W)
+                tr = vd.end(tr, PUSH.flag)
         c = nxt
     if DO_PUSH:
-        _finish(ctrl_ptr, TICKET_C, EPOCH_C, DONE_C, epoch, ctx_ptr, W)
+        _, tr = _finish(ctrl_ptr, TICKET_C, EPOCH_C, DONE_C, epoch, ctx_ptr, tr, W, PUSH.fence, PUSH.done)
     if DO_REDUCE:
+        tr = vd.begin(tr, PUSH.release)
         _release_reads(ctrl_ptr, epoch, ctx_ptr, W)
+        tr = vd.end(tr, PUSH.release)
+    tr = vd.end(tr, PUSH.kernel)
+    vd.close_trace(tr)

@@ -482,6 +482,47 @@ class EpDispatchCombineOp:
     def reset(self) -> None:
         """No-op, kept for API compatibility: dispatch and combine reset their own state."""
 
+    # -- tracing (mori.viz) ----------------------------------------------------------------------
+
+    def enable_tracing(self, buffer: Any = None, *, capacity: int = 4096, n_rings: int | None = None) -> Any:
+        """Record the phases of every following dispatch and combine kernel (their traced variants)
+        into ``buffer`` (a :class:`mori.viz.TraceBuffer` on this operator's device), or a new one;
+        return it.
+
+        For a new buffer, ``n_rings``: programs that record (default: 256, or the config's
+        ``block_num`` if larger; programs beyond it record nothing); ``capacity``: events per
+        program (a power of two; a full ring keeps the newest). Read it with
+        ``mori.viz.capture([buf])`` when the device is idle. Not collective; a CUDA graph captured
+        while tracing keeps recording when replayed. Only the Triton kernels record: raises
+        :class:`~mori.core.errors.MoriStateError` on the host path.
+        """
+        if self._kern is None:
+            raise MoriStateError(
+                "enable_tracing: this operator runs the host path; tracing records the Triton kernels "
+                "(impl='triton', or a GPU heap)"
+            )
+        from mori.viz import TraceBuffer
+
+        if buffer is None:
+            rings = n_rings if n_rings is not None else max(256, self.config.block_num)
+            buffer = TraceBuffer(rings, capacity, device=self._kern.device, rank=self.rank, name="ep")
+        elif not isinstance(buffer, TraceBuffer) or buffer.device != self._kern.device:
+            raise bad_type(
+                "enable_tracing", "buffer", buffer, f"None or a mori.viz.TraceBuffer on {self._kern.device}"
+            )
+        self._kern.trace = buffer
+        return buffer
+
+    def disable_tracing(self) -> None:
+        """Launch the untraced kernels again (the buffer of :meth:`enable_tracing` stays readable)."""
+        if self._kern is not None:
+            self._kern.trace = None
+
+    @property
+    def trace_buffer(self) -> Any:
+        """The :class:`mori.viz.TraceBuffer` the kernels record into, or None (tracing off)."""
+        return self._kern.trace if self._kern is not None else None
+
     # -- control words ---------------------------------------------------------------------------
 
     def _ctrl_addr(self, i: int) -> int:

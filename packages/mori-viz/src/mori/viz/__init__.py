@@ -1,21 +1,71 @@
-"""mori.viz: warp-level kernel profiler. PLACEHOLDER: nothing is implemented yet.
+"""mori.viz: warp-level traces of MORI kernels (and of the host code around them) in Perfetto.
 
-mori-viz 0.1.0 is an empty placeholder. The VIZ component is not implemented yet; this module
-provides none of its names, and accessing any of them raises :class:`AttributeError`. Progress is
-tracked in the project's issues.
+Kernels record spans and instants into per-program rings of a trace buffer with the
+``@triton.jit`` helpers of :mod:`mori.viz.device`, compiled out entirely when their ``TRACE``
+constexpr is off. The host reads the buffers, aligns every rank's device clock to the host clock,
+adds host-side spans (:func:`span`, native threads through ``mori_viz/host_trace.h``) and writes one
+trace for ui.perfetto.dev: Chrome trace JSON or Perfetto's protobuf format
+(:func:`export_to_perfetto`). ``mori viz export | summary | plot`` work on saved traces.
 
-What it will be: kernels record begin, end and instant events per warp into a trace buffer in
-device memory; the host converts that buffer into a Chrome trace file that the Perfetto UI shows
-as one timeline row per warp.
-
-Planned public names: ``export_to_perfetto``.
+The names below are imported on first use, so that ``import mori.viz`` stays cheap (no torch, no
+Triton) for the ``mori`` command.
 """
 
 from __future__ import annotations
 
-from mori.core.placeholder import placeholder_getattr
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__: list[str] = []
-__status__ = "placeholder"
+if TYPE_CHECKING:
+    from mori.viz.buffer import TraceBuffer
+    from mori.viz.export import ExportReport, export_to_perfetto
+    from mori.viz.host import HostRing, instant, record_host, span, stop_host_recording, traced
+    from mori.viz.slots import declare_slots, slot_table
+    from mori.viz.trace import RankTrace, capture, load_traces
 
-__getattr__ = placeholder_getattr(__name__, "mori-viz", "VIZ")
+__all__ = [
+    "ExportReport",
+    "HostRing",
+    "RankTrace",
+    "TraceBuffer",
+    "capture",
+    "declare_slots",
+    "export_to_perfetto",
+    "instant",
+    "load_traces",
+    "record_host",
+    "slot_table",
+    "span",
+    "stop_host_recording",
+    "traced",
+]
+
+_WHERE = {
+    "ExportReport": "mori.viz.export",
+    "HostRing": "mori.viz.host",
+    "RankTrace": "mori.viz.trace",
+    "TraceBuffer": "mori.viz.buffer",
+    "capture": "mori.viz.trace",
+    "declare_slots": "mori.viz.slots",
+    "export_to_perfetto": "mori.viz.export",
+    "instant": "mori.viz.host",
+    "load_traces": "mori.viz.trace",
+    "record_host": "mori.viz.host",
+    "slot_table": "mori.viz.slots",
+    "span": "mori.viz.host",
+    "stop_host_recording": "mori.viz.host",
+    "traced": "mori.viz.host",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mori.viz' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
