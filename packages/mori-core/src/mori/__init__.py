@@ -39,7 +39,6 @@ COMPONENTS: dict[str, str] = {
     "cco": "mori-cco",
     "ccl": "mori-cco",
     "umbp": "mori-umbp",
-    "cpp": "mori-umbp",  # the original's binding module; here it re-exports UMBP's names
     "viz": "mori-viz",
 }
 

@@ -86,6 +86,8 @@ __all__ = sorted(PROVIDERS)
 
 def __getattr__(name: str) -> object:
     module = PROVIDERS.get(name)
+    if module is None and name.startswith("UMBP"):
+        module = "mori.umbp"  # every UMBP config object and enum, as the original binds them all
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}", name=name)
     value = forward(module, name, f"{__name__}.{name}")

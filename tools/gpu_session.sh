@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One lease of a GPU machine, used well: install this tree there (no internet: the wheels it lacks
+# travel in .whl/), then run the stages named on the command line, each logging to $OUT.
+#
+#   bash tools/gpu_session.sh setup tests      # every test marked cuda/gpu, ranks sharing the GPU under MPS
+#   bash tools/gpu_session.sh setup bench      # the GPU benchmarks the issues ask for, JSON into $OUT
+#
+# Stages: setup (install), tests, bench. Ranks that share one GPU run under MPS (started and stopped
+# here); ranks x SMs per rank stay at most 132 so no two launches wait on each other forever.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+rc=0
+
+mps_on() { mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"; nvidia-cuda-mps-control -d 2>/dev/null || true; }
+mps_off() { echo quit | nvidia-cuda-mps-control 2>/dev/null || true; }
+step() { echo "== $*" | tee -a "$OUT/steps.log"; }
+
+setup() {
+  step "setup: $(nvidia-smi -L | head -1); $(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
+  python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || return 1
+  python3 -m pip install -q --no-deps --no-build-isolation packages/mori-core tests/mori-testing backends/nvlink \
+    packages/mori-io packages/mori-viz packages/mori-ep packages/mori-umbp 2>&1 | tail -3 || return 1
+  for extra in packages/mori-cco; do
+    [ -d "$extra" ] && python3 -m pip install -q --no-deps --no-build-isolation "$extra" 2>&1 | tail -1
+  done
+  mori backends 2>&1 | tee "$OUT/backends.txt" | head -30
+}
+
+tests() {
+  mps_on
+  step "tests: pytest -m 'cuda or gpu'"
+  local dirs=(packages/mori-core/tests backends/nvlink/tests packages/mori-io/tests packages/mori-ep/tests
+              packages/mori-viz/tests packages/mori-umbp/tests/test_hbm.py)
+  [ -d packages/mori-cco/tests ] && dirs+=(packages/mori-cco/tests)
+  timeout 480 python3 -m pytest -p no:cacheprovider -m "cuda or gpu" -q -rs --timeout 400 "${dirs[@]}" \
+    --junitxml "$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+  rc=$((rc | ${PIPESTATUS[0]}))
+  mps_off
+}
+
+bench() {
+  mps_on
+  step "bench: DeepEP layer vs MORI API, get_dispatch_layout (2 ranks x 66 SMs)"
+  timeout 200 python3 tools/ep_deepep_gpu_check.py --ranks 2 --sms 66 --tokens 4096 --out "$OUT/ep-deepep-h200.json" \
+    2>&1 | tail -25
+  step "bench: EP dispatch/combine with tracing on vs off (2 ranks x 64 SMs)"
+  timeout 200 mori bench ep --device cuda --ranks 2 --tokens 4096,128 --dtype bf16 --sms 64 --no-baseline --plot none \
+    --trace "$OUT/ep-trace" --json "$OUT/ep-trace.json" 2>&1 | tail -25
+  if [ -d packages/mori-cco ]; then
+    step "bench: CCO all-reduce in a CUDA graph vs the device barrier (2 ranks sharing the GPU)"
+    timeout 150 mori bench cco --device cuda --ranks 2 --json "$OUT/cco-h200.json" 2>&1 | tail -25
+  fi
+  mps_off
+}
+
+for stage in "$@"; do
+  case "$stage" in
+    setup) setup || { echo "setup failed"; exit 1; } ;;
+    tests) tests ;;
+    bench) bench ;;
+    *) echo "unknown stage $stage (setup, tests, bench)"; exit 2 ;;
+  esac
+done
+exit $rc
