@@ -1038,13 +1038,21 @@ def _reduce_chunk(
             acc = tl.zeros([BT, BLOCK], dtype=tl.float32)
             for p in tl.static_range(W):
                 slot = tl.load(dest_slot_ptr + p * M + toks, mask=tmask, other=-1)
+                # `me` is a runtime value, so this `if` is a real branch: each side loads its rows
+                # and yields values, never a pointer. The two sides' pointers have different bases
+                # (the input, the staging), both small tensors on AMD (tt.pointer_range=32, every
+                # launch under 2 GiB), and Triton 3.6's AMD pointer canonicalisation cannot merge
+                # two small-tensor bases at an `if` (it aborts, CanonicalizePointers.cpp). Only
+                # the side taken runs, so the memory traffic is that of one load, as before.
                 if p == me:
                     m = ((slot >= 0) & (slot < n_inp_rows))[:, None] & cm[None, :]
                     src = own_ptr + slot.to(tl.int64)[:, None] * own_stride
+                    v = tl.load(src + cols[None, :], mask=m, other=0.0).to(tl.float32)
                 else:
                     m = (slot >= 0)[:, None] & cm[None, :]
                     src = stage_typed_ptr + (p * M + toks).to(tl.int64)[:, None] * stage_row_elems
-                acc += tl.load(src + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                    v = tl.load(src + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                acc += v
             out = out_ptr + toks.to(tl.int64)[:, None] * h + cols[None, :]
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & cm[None, :])
             col += BLOCK
@@ -1053,13 +1061,13 @@ def _reduce_chunk(
             acc_w = tl.zeros([BT, K_P2], dtype=tl.float32)
             for p in tl.static_range(W):
                 slot = tl.load(dest_slot_ptr + p * M + toks, mask=tmask, other=-1)
-                if p == me:
-                    src_w = w_ptr + slot[:, None] * K
+                if p == me:  # loads in the branches, as above
                     mw = mk & ((slot >= 0) & (slot < n_inp_rows))[:, None]
+                    wts = tl.load(w_ptr + slot[:, None] * K + ks[None, :], mask=mw, other=0.0)
                 else:
-                    src_w = stage_w_ptr + (p * M + toks)[:, None] * K
                     mw = mk & (slot >= 0)[:, None]
-                acc_w += tl.load(src_w + ks[None, :], mask=mw, other=0.0)
+                    wts = tl.load(stage_w_ptr + (p * M + toks)[:, None] * K + ks[None, :], mask=mw, other=0.0)
+                acc_w += wts
             tl.store(out_w_ptr + toks[:, None] * K + ks[None, :], acc_w, mask=mk)
 
 
