@@ -146,6 +146,16 @@ StatusPtr with_lists(py::handle local_offsets, py::handle remote_offsets, py::ha
 
 using U64s = std::vector<uint64_t>;
 
+// One block, through per-thread one-element lists (a post of one block allocates none of them).
+StatusPtr post_one(Engine& e, uint16_t op, uint64_t local_id, const std::string& key, uint64_t remote_id, uint64_t l,
+                   uint64_t r, uint64_t n, uint64_t uid, bool remote_cpu, uint64_t remote_size) {
+  static thread_local U64s lo(1), ro(1), sz(1);
+  lo[0] = l;
+  ro[0] = r;
+  sz[0] = n;
+  return e.post(op, local_id, key, remote_id, lo, ro, sz, uid, remote_cpu, remote_size);
+}
+
 StatusPtr post_lists(Engine& e, uint16_t op, uint64_t local_id, const std::string& key, uint64_t remote_id,
                      py::handle local_offsets, py::handle remote_offsets, py::handle sizes, uint64_t uid,
                      bool remote_cpu, uint64_t remote_size) {
@@ -198,7 +208,7 @@ struct SessionPost {
   StatusPtr one(uint16_t op, py::handle lo, py::handle ro, py::handle sz, py::handle uid) {
     uint64_t l = u64_of(lo.ptr()), r = u64_of(ro.ptr()), n = u64_of(sz.ptr()), u = u64_of(uid.ptr());
     py::gil_scoped_release nogil;
-    return e->post(op, local_id, key, remote_id, {l}, {r}, {n}, u, remote_cpu, remote_size);
+    return post_one(*e, op, local_id, key, remote_id, l, r, n, u, remote_cpu, remote_size);
   }
 };
 
@@ -472,7 +482,7 @@ void register_transfer(py::module_& m) {
             const uint16_t o = op_code(op);
             const uint64_t l = u64_of(loff.ptr()), r = u64_of(roff.ptr()), n = u64_of(size.ptr()), u = u64_of(uid.ptr());
             py::gil_scoped_release nogil;
-            return e.post(o, local_id, key, remote_id, {l}, {r}, {n}, u, remote_cpu, remote_size);
+            return post_one(e, o, local_id, key, remote_id, l, r, n, u, remote_cpu, remote_size);
           },
           py::arg("op"), py::arg("local_id"), py::arg("peer_key"), py::arg("remote_id"), py::arg("local_offset"),
           py::arg("remote_offset"), py::arg("size"), py::arg("uid"), py::arg("remote_cpu"), py::arg("remote_size"),

@@ -1688,11 +1688,14 @@ StatusPtr Engine::post(uint16_t op, uint64_t local_id, const std::string& peer_k
     st->complete(ERR_INVALID_ARGS, "local: " + err);
     return st;
   }
-  // Holds the pin: the region is unpinned when this goes (after its last part, or on return here).
-  auto xfer = std::make_shared<Transfer>();
-  xfer->eng = this;
-  xfer->st = st;
-  xfer->local = local;
+  // Holds the pin until the socket path's Transfer takes it over (or this call returns).
+  struct Pin {
+    Engine* e;
+    RegionPtr r;
+    ~Pin() {
+      if (r) e->unpin(r);
+    }
+  } pin_guard{this, local};
   if (local->loc != 1 && !has_device_copier()) {
     st->complete(ERR_INVALID_ARGS,
                  "local memory is not CPU memory and no device copier is installed (GPU staging)");
@@ -1736,13 +1739,17 @@ StatusPtr Engine::post(uint16_t op, uint64_t local_id, const std::string& peer_k
   }
   // Same-host CPU memory: the initiator copies itself, checked against the target's own table.
   if ((flags & kFlagCma) && direct && direct->ok.load(std::memory_order_relaxed) &&
-      direct_post(*direct, peer_key, op, remote_id, segs, uid, tcp.enable_notification, st))
+      direct_post(*direct, peer_key, op, remote_id, segs, uid, tcp.enable_notification, tcp.cma_threads, st))
     return st;
   err = peer_conns(peer, &conns, &direct);
   if (!err.empty()) {
     st->complete(ERR_BAD_STATE, "remote engine '" + peer_key + "': " + err);
     return st;
   }
+  auto xfer = std::make_shared<Transfer>();  // unpins the region after the last part
+  xfer->eng = this;
+  xfer->st = st;
+  xfer->local = std::move(pin_guard.r);
   std::vector<PartPtr> parts;
   auto new_part = [&] {
     auto p = std::make_shared<Part>();
@@ -1866,13 +1873,12 @@ int auto_copy_threads() {
 // Copies matching iovec lists, cut into pieces of about equal size run in parallel (the calling
 // thread copies the first) when the transfer is large. Returns 0 or the first errno.
 int Engine::copy_parallel(bool pull, pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote,
-                          uint64_t total, bool huge) {
+                          uint64_t total, bool huge, int threads) {
   const uint64_t k0 = total / split_min(huge);
-  if (k0 <= 1) return cma_copy(pull, pid, std::move(local), std::move(remote));
-  int threads = tcp_config().cma_threads;
+  if (k0 <= 1) return cma_copy_in_place(pull, pid, local, remote);
   if (threads <= 0) threads = auto_copy_threads();
   const uint64_t k = std::min<uint64_t>(uint64_t(threads), k0);
-  if (k <= 1) return cma_copy(pull, pid, std::move(local), std::move(remote));
+  if (k <= 1) return cma_copy_in_place(pull, pid, local, remote);
   direct_split.fetch_add(1, std::memory_order_relaxed);
   CopyPool* pool;
   {
@@ -1883,7 +1889,7 @@ int Engine::copy_parallel(bool pull, pid_t pid, std::vector<iovec>& local, std::
         pool_ = std::make_unique<CopyPool>(threads - 1, cfg_.manners);
       } catch (const std::system_error&) {  // no threads to be had: copy on this one
         thread_failures.fetch_add(1);
-        return cma_copy(pull, pid, std::move(local), std::move(remote));
+        return cma_copy_in_place(pull, pid, local, remote);
       }
     }
     pool = pool_.get();
@@ -1977,7 +1983,8 @@ void push_record(Direct& d, uint64_t uid, int code, std::shared_ptr<Conn>* bell,
 }  // namespace
 
 bool Engine::direct_post(Direct& d, const std::string& peer_key, uint16_t op, uint64_t remote_id,
-                         const std::vector<Seg>& segs, uint64_t uid, bool notify, const StatusPtr& st) {
+                         const std::vector<Seg>& segs, uint64_t uid, bool notify, int cma_threads,
+                         const StatusPtr& st) {
   if (!d.alive()) {
     d.ok = false;
     return false;  // the socket path reports the peer's state
@@ -2021,16 +2028,21 @@ bool Engine::direct_post(Direct& d, const std::string& peer_key, uint16_t op, ui
     if (code == SUCCESS && direct_delay_ms.load() > 0)
       std::this_thread::sleep_for(std::chrono::milliseconds(direct_delay_ms.load()));
     if (code == SUCCESS && total > 0) {
-      std::vector<iovec> mine, theirs;
-      mine.reserve(segs.size());
-      theirs.reserve(segs.size());
+      // Per-thread lists: a post of a few blocks then allocates nothing (kept small, see below).
+      static thread_local std::vector<iovec> mine, theirs;
+      mine.clear();
+      theirs.clear();
       for (const Seg& s : segs) {
         mine.push_back({reinterpret_cast<void*>(s.addr), s.len});
         theirs.push_back({reinterpret_cast<void*>(raddr + s.off), s.len});
       }
       // Pieces on huge pages when at most an eighth of the bytes lie on the region's 4 KiB head or tail.
       const bool huge = (total - on_huge) * 8 <= total;
-      int err = copy_parallel(op == kRead, d.pid, mine, theirs, total, huge);
+      int err = copy_parallel(op == kRead, d.pid, mine, theirs, total, huge, cma_threads);
+      if (mine.capacity() > 4096) {  // a huge batch does not keep its lists for ever
+        std::vector<iovec>().swap(mine);
+        std::vector<iovec>().swap(theirs);
+      }
       if (refused_errno(err)) {  // the OS said no after all: the target-side path takes over
         d.ok = false;
         direct_refused.fetch_add(1);

@@ -370,10 +370,11 @@ class Engine {
   std::string peer_conns(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out, std::shared_ptr<Direct>* direct);
   // Direct path, initiator: true if the transfer was handled (its status completed).
   bool direct_post(Direct& d, const std::string& peer_key, uint16_t op, uint64_t remote_id, const std::vector<Seg>& segs,
-                   uint64_t uid, bool notify, const StatusPtr& st);
+                   uint64_t uid, bool notify, int cma_threads, const StatusPtr& st);
   // `huge`: the target's range is (mostly) on huge pages (TableEntry::huge_lo/hi), which allows smaller pieces.
+  // `threads`: TcpConfig::cma_threads (0: auto).
   int copy_parallel(bool pull, pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t total,
-                    bool huge);
+                    bool huge, int threads);
 
   // -- direct path, target side: the table and its slots --
   void create_table();

@@ -229,6 +229,10 @@ int wait_readable(int fd, int ms) {
 }
 
 int cma_copy(bool pull, pid_t pid, std::vector<iovec> local, std::vector<iovec> remote) {
+  return cma_copy_in_place(pull, pid, local, remote);
+}
+
+int cma_copy_in_place(bool pull, pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote) {
   size_t i = 0;
   while (i < local.size()) {
     if (local[i].iov_len == 0) {

@@ -50,5 +50,7 @@ int wait_readable(int fd, int ms);
 // Cross-memory attach of matching local/remote iovec lists (same lengths pairwise) with process
 // `pid`: pull = process_vm_readv (remote -> local). Returns 0 or the errno of the failure.
 int cma_copy(bool pull, pid_t pid, std::vector<iovec> local, std::vector<iovec> remote);
+// The same on the caller's lists, which it advances as bytes move (no copy of them).
+int cma_copy_in_place(bool pull, pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote);
 
 }  // namespace mori::transfer
