@@ -135,3 +135,19 @@ def test_system_ucx_is_loaded_on_request() -> None:
         and not Path("/sys/class/infiniband").is_dir()
     ):
         assert "no RDMA device on this machine" in reason
+
+
+def test_a_small_dev_shm_leaves_posix_out_instead_of_crashing() -> None:
+    # UCX 1.22's posix transport segfaults in ucp_init with a 16 MiB /dev/shm (a container's):
+    # played in a mount namespace of its own, where such a tmpfs is mounted over /dev/shm.
+    import shutil
+
+    cmd = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=16m tmpfs /dev/shm && exec "$@"', "sh"]
+    if shutil.which("unshare") is None or subprocess.run([*cmd, "true"], capture_output=True).returncode:
+        pytest.skip("unshare --mount / mount tmpfs is not permitted here")
+    code = "from mori_backend_ucx import UcxTransport as T; t = T(); print(t.options()); print(t.probe())"
+    env = {k: v for k, v in os.environ.items() if k not in ("UCX_TLS", "MORI_UCX_OPTIONS")}
+    out = subprocess.run([*cmd, sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, f"rc {out.returncode}: {out.stderr[-2000:]}"
+    options, availability = out.stdout.splitlines()[:2]
+    assert options == "tls=^posix" and "usable=True" in availability and "posix" not in availability.split("(", 2)[2]

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from mori.core.backend import Availability, NetworkTransport, Transport
 from mori.core.errors import MoriBackendError
-from mori.core.plugins import Plugins, select
+from mori.core.plugins import Plugins, hookimpl, select
 
 FIXTURE = Path(__file__).parent / "fixtures" / "mori-plugin-filemap"
 
@@ -145,3 +146,45 @@ def test_selecting_an_uninstalled_runtime_fails_clearly(plugin_path: Path) -> No
     )
     installed = out.stderr.split("(installed: ")[-1].split(")")[0].split(", ")
     assert "cpu" in installed and "filemap" in installed
+
+
+class _CountingNetwork(NetworkTransport):
+    """A network transport that counts its probes (a real one loads a library there)."""
+
+    name = "counting"
+    probes = 0
+
+    def probe(self) -> Availability:
+        type(self).probes += 1
+        return Availability(True, "counted")
+
+    def ops(self) -> object:
+        raise AssertionError("a single-node job opened the network transport")
+
+
+class _CountingPlugin:
+    @hookimpl
+    def mori_transports(self) -> list[Transport]:
+        return [_CountingNetwork()]
+
+
+def test_a_single_node_job_never_probes_a_network_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A network library's probe loads it (UCX maps shared memory and starts threads; with a full
+    # /dev/shm it crashed the process): a job whose peers all share memory must not pay for it.
+    import mori.shmem as shmem
+    from mori.core import plugins as plugins_module
+
+    found = Plugins()
+    found.pm.register(_CountingPlugin(), name="counting")
+    monkeypatch.setattr(plugins_module, "_plugins", found)
+    monkeypatch.setattr(_CountingNetwork, "probes", 0)
+    monkeypatch.setenv("MORI_DEVICE_RUNTIME", "cpu")
+    monkeypatch.setenv("MORI_SHMEM_HEAP_SIZE", "64M")
+    shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, 0, 1, shmem.shmem_get_unique_id())
+    try:
+        assert _CountingNetwork.probes == 0
+    finally:
+        shmem.shmem_finalize()
+    entry = next(f for f in found.transports() if f.backend.name == "counting")
+    assert entry.availability.reason == "counted" and entry.availability.usable
+    assert entry.availability.usable and _CountingNetwork.probes == 1, "probed once, on first read"

@@ -383,7 +383,7 @@ class _Backend:
 
 @pytest.fixture
 def fake_xgmi(monkeypatch: pytest.MonkeyPatch):
-    from mori.io import backend_api
+    from mori.io import engine
 
     holder: dict[str, _Backend] = {}
     module = types.ModuleType("fake_xgmi")
@@ -394,7 +394,8 @@ def fake_xgmi(monkeypatch: pytest.MonkeyPatch):
 
     module.create_backend = create_backend  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "fake_xgmi", module)
-    monkeypatch.setitem(backend_api.BACKEND_MODULES, "XGMI", "fake_xgmi")
+    modules = {**engine.backend_modules(), "XGMI": "fake_xgmi"}
+    monkeypatch.setattr(engine, "backend_modules", lambda: modules)
     return holder
 
 

@@ -177,3 +177,23 @@ def test_trace_buffer_layout_and_reset() -> None:
     assert buf.read().written.tolist() == [0, 1, 0]
     buf.reset()
     assert buf.read().written.tolist() == [0, 0, 0] and buf.read().events.size == 0
+
+
+def test_the_originals_debug_time_names_read_an_operators_buffer() -> None:
+    import types
+
+    from mori import cpp
+    from mori.core.errors import MoriStateError
+
+    op = types.SimpleNamespace(trace_buffer=None)
+    with pytest.raises(MoriStateError, match="enable_tracing"):
+        cpp.get_debug_time_buf(op)
+    with pytest.raises(TypeError, match="op has type object"):
+        cpp.get_debug_time_offset(object())
+    op.trace_buffer = TraceBuffer(n_rings=3, capacity=8, device="cpu", calibrate=False)
+    words = cpp.get_debug_time_buf(op)
+    assert words.data_ptr() == op.trace_buffer.tensor.data_ptr(), "a view of the operator's buffer"
+    _write(words.numpy(), 2, [(1, layout.BEGIN, 5), (2, layout.END, 5)])
+    assert cpp.get_debug_time_offset(op).tolist() == [0, 0, 2]
+    group = slots.declare_slots("test.debug_time", ["phase_a"])
+    assert cpp.ALL_PROFILER_SLOTS[group.phase_a.value] == ("test.debug_time", "phase_a")

@@ -37,13 +37,34 @@ class PluginRecord:
     error: str = ""
 
 
-@dataclass(frozen=True)
 class Found:
-    """A backend object together with the plugin that provided it and its probe result."""
+    """A backend object together with the plugin that provided it and its probe result.
 
-    backend: DeviceRuntime | Transport | NicProvider
-    plugin: PluginRecord
-    availability: Availability
+    The probe runs on the first read of :attr:`availability`, once: a caller that needs only some
+    kinds of backend (a single-node SHMEM job needs no network transport) never starts the others
+    (a network library's probe loads it, and may spawn threads or map shared memory).
+    """
+
+    __slots__ = ("_availability", "_lock", "backend", "plugin")
+
+    def __init__(self, backend: DeviceRuntime | Transport | NicProvider, plugin: PluginRecord) -> None:
+        self.backend = backend
+        self.plugin = plugin
+        self._availability: Availability | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def availability(self) -> Availability:
+        with self._lock:
+            if self._availability is None:
+                try:
+                    self._availability = self.backend.probe()
+                except Exception as e:
+                    self._availability = Availability(False, f"probe failed: {type(e).__name__}: {e}")
+            return self._availability
+
+    def __repr__(self) -> str:
+        return f"Found({self.backend.name!r}, plugin={self.plugin.name!r})"
 
 
 class Plugins:
@@ -116,12 +137,9 @@ class Plugins:
                         f"plugin '{rec.name}' ({rec.distribution} {rec.version}) failed in hook {hook}(): "
                         f"{type(e).__name__}: {e}"
                     ) from e
-                for item in items or ():
-                    try:
-                        avail = item.probe()
-                    except Exception as e:
-                        avail = Availability(False, f"probe failed: {type(e).__name__}: {e}")
-                    found.append(Found(item, rec, avail))
+                found.extend(Found(item, rec) for item in items or ())
+            # by declared priority; a probe may raise a backend's priority (ucx with RDMA), so a
+            # caller choosing among several re-sorts the usable ones after probing them
             found.sort(key=lambda f: (-getattr(f.backend, "priority", 0), f.backend.name))
             self._found[hook] = found
             return found

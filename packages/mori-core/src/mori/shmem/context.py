@@ -68,10 +68,12 @@ class ShmemContext:
             raise MoriValueError(
                 f"MORI_SHMEM_MODE={mode!r} is not supported by the {self.runtime.name} runtime: use static_heap"
             )
+        # load/store transports only (peers on this node); network ones are probed, and their
+        # libraries loaded, only when some peer is out of reach (mori.shmem.network)
         self.transports: list[Transport] = [
             f.backend
             for f in plugins.transports()
-            if f.availability.usable and isinstance(f.backend, Transport)
+            if isinstance(f.backend, Transport) and f.backend.load_store and f.availability.usable
         ]
         self.segment: HeapSegment | None = None
         self.peers: list[PeerSegment | None] = [None] * self.n_pes
@@ -120,9 +122,7 @@ class ShmemContext:
         for info in infos:
             if info.rank == self.my_pe:
                 continue
-            for transport in self.transports:
-                if disable_p2p and transport.load_store:
-                    continue
+            for transport in [] if disable_p2p else self.transports:
                 seg = transport.connect(self.runtime, me, info)
                 if seg is not None:
                     self.peers[info.rank] = seg

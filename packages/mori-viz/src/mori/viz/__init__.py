@@ -18,12 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mori.viz.buffer import TraceBuffer
+    from mori.viz.debug_time import ALL_PROFILER_SLOTS, get_debug_time_buf, get_debug_time_offset
     from mori.viz.export import ExportReport, export_to_perfetto
     from mori.viz.host import HostRing, instant, record_host, span, stop_host_recording, traced
     from mori.viz.slots import declare_slots, slot_table
     from mori.viz.trace import RankTrace, capture, load_traces
 
 __all__ = [
+    "ALL_PROFILER_SLOTS",
     "ExportReport",
     "HostRing",
     "RankTrace",
@@ -31,6 +33,8 @@ __all__ = [
     "capture",
     "declare_slots",
     "export_to_perfetto",
+    "get_debug_time_buf",
+    "get_debug_time_offset",
     "instant",
     "load_traces",
     "record_host",
@@ -41,6 +45,7 @@ __all__ = [
 ]
 
 _WHERE = {
+    "ALL_PROFILER_SLOTS": "mori.viz.debug_time",
     "ExportReport": "mori.viz.export",
     "HostRing": "mori.viz.host",
     "RankTrace": "mori.viz.trace",
@@ -48,6 +53,8 @@ _WHERE = {
     "capture": "mori.viz.trace",
     "declare_slots": "mori.viz.slots",
     "export_to_perfetto": "mori.viz.export",
+    "get_debug_time_buf": "mori.viz.debug_time",
+    "get_debug_time_offset": "mori.viz.debug_time",
     "instant": "mori.viz.host",
     "load_traces": "mori.viz.trace",
     "record_host": "mori.viz.host",
