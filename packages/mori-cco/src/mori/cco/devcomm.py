@@ -16,12 +16,21 @@ accepted; nothing in :mod:`mori.cco.device` issues GDA operations yet.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mori.cco import env, layout
 from mori.cco.sdma import SdmaEngine, SdmaQueue
-from mori.core.errors import MoriBackendError, MoriValueError, bad_value, format_ranks
+from mori.core.backend import CMP_GE, OP_FETCH, OP_SET, WORD_INT64
+from mori.core.errors import (
+    MoriBackendError,
+    MoriStateError,
+    MoriTimeoutError,
+    MoriValueError,
+    bad_value,
+    format_ranks,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -154,6 +163,79 @@ class DevCommHandle:
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n:
             raise bad_value("DevCommHandle.sdma_queue", "index", index, f"a queue in [0, {n})")
         return SdmaQueue(self._sdma, index)
+
+    # -- LSA barriers from the host (the same barriers kernels use) ---------------------------------
+
+    def _lsa_barrier(self, func: str, index: Any) -> int:
+        if self.closed or self._comm.closed:
+            raise MoriStateError(f"{func}: the device communicator's communicator was destroyed")
+        n = self.requirements.lsa_barrier_count
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n:
+            raise bad_value(func, "index", index, f"an LSA barrier in [0, {n}) (lsa_barrier_count={n})")
+        return index
+
+    def _lsa_epoch_addr(self, index: int) -> int:
+        assert self._window is not None  # lsa_barrier_count > 0 allocates it
+        r = self.requirements
+        return (
+            self._window.local_ptr
+            + (r.lsa_barrier_count * self.lsa_size + r.barrier_count * self.world_size + index) * 8
+        )
+
+    def _lsa_slot_addr(self, member: int, index: int, of: int) -> int:
+        assert self._window is not None
+        return self._window.peer_ptrs[member] + (index * self.lsa_size + of) * 8
+
+    def lsa_barrier_epoch(self, index: int) -> int:
+        """How often this rank arrived at LSA barrier ``index`` (host or device)."""
+        index = self._lsa_barrier("DevCommHandle.lsa_barrier_epoch", index)
+        return int(self._comm._runtime.atomic_rmw(self._lsa_epoch_addr(index), OP_FETCH, WORD_INT64, 0))
+
+    def lsa_barrier_arrive(self, index: int) -> int:
+        """Arrive at LSA barrier ``index`` from the host: the barrier kernels use
+        (:func:`mori.cco.device.lsa_barrier_arrive`), so host and device arrivals count alike.
+        Memory this process wrote before (host stores, completed device work) is visible to a peer
+        once its wait returns. Returns the new epoch."""
+        index = self._lsa_barrier("DevCommHandle.lsa_barrier_arrive", index)
+        rt = self._comm._runtime
+        addr = self._lsa_epoch_addr(index)
+        epoch = int(rt.atomic_rmw(addr, OP_FETCH, WORD_INT64, 0)) + 1
+        rt.atomic_rmw(addr, OP_SET, WORD_INT64, epoch)
+        rt.fence()
+        for member in range(self.lsa_size):
+            rt.atomic_rmw(self._lsa_slot_addr(member, index, self.lsa_rank), OP_SET, WORD_INT64, epoch)
+        return epoch
+
+    def lsa_barrier_wait(self, index: int, *, timeout: float | None = None) -> None:
+        """Wait until every LSA peer arrived at LSA barrier ``index`` as often as this rank did.
+        Raises :class:`~mori.core.errors.MoriTimeoutError` naming the late ranks after ``timeout``
+        seconds (default ``MORI_BOOTSTRAP_TIMEOUT``)."""
+        func = "DevCommHandle.lsa_barrier_wait"
+        index = self._lsa_barrier(func, index)
+        rt = self._comm._runtime
+        epoch = int(rt.atomic_rmw(self._lsa_epoch_addr(index), OP_FETCH, WORD_INT64, 0))
+        limit = self._comm.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        for member in range(self.lsa_size):
+            addr = self._lsa_slot_addr(self.lsa_rank, index, member)
+            ok, _ = rt.wait_until(addr, CMP_GE, WORD_INT64, epoch, max(0.0, deadline - time.monotonic()))
+            if not ok:
+                late = [
+                    self._comm.lsa_ranks[m]
+                    for m in range(self.lsa_size)
+                    if rt.atomic_rmw(self._lsa_slot_addr(self.lsa_rank, index, m), OP_FETCH, WORD_INT64, 0)
+                    < epoch
+                ]
+                raise MoriTimeoutError(
+                    f"{func}: ranks {format_ranks(late)} did not arrive at LSA barrier {index} (epoch {epoch}) "
+                    f"within {limit:g} s; this is rank {self.rank}",
+                    late,
+                )
+
+    def lsa_barrier_sync(self, index: int, *, timeout: float | None = None) -> None:
+        """:meth:`lsa_barrier_arrive` then :meth:`lsa_barrier_wait`."""
+        self.lsa_barrier_arrive(index)
+        self.lsa_barrier_wait(index, timeout=timeout)
 
     def _close(self) -> None:
         self.closed = True
