@@ -627,6 +627,25 @@ class Communicator:
             self._devcomms.append(handle)
             return handle
 
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank contributes ``data`` (at most 64 KiB); every rank gets the list in rank order.
+        Collective, out of band (the rendezvous store): for setup, not for data."""
+        func = "Communicator.allgather_bytes"
+        if not isinstance(data, bytes):
+            raise bad_type(func, "data", data, "bytes")
+        if len(data) > 64 << 10:
+            raise bad_value(func, "data", f"<{len(data)} bytes>", "at most 65536 bytes")
+        with self._lock:
+            self._check_open(func)
+            entries = self._collective(func, {"size": None, "data": data.hex()})
+            out = []
+            for r, e in enumerate(entries):
+                try:
+                    out.append(bytes.fromhex(str(e.get("data"))))
+                except ValueError:
+                    raise MoriValueError(f"{func}: rank {r} sent a malformed message") from None
+            return out
+
     # -- barrier ------------------------------------------------------------------------------------
 
     def barrier(self) -> None:
