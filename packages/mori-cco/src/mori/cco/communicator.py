@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING, Any
 
 from mori.cco import layout
 from mori.cco.unique_id import UniqueId
+from mori.cco.waits import oversubscribed, wait_ge
 from mori.cco.windows import AllocatedMemory, ImportedWindow, RegisteredWindow, ShmImport, find_shm_range
 from mori.core import bootstrap, env
 from mori.core.backend import (
-    CMP_GE,
     OP_FETCH,
     OP_SET,
     WORD_INT64,
@@ -144,6 +144,7 @@ class Communicator:
         self._seq = 0  # collective calls so far (every rank counts the same)
         self.lsa_ranks: tuple[int, ...] = (self.rank,)
         self.lsa_rank = 0
+        self._polite = False
         with _by_name_lock:
             self.name = f"cco{next(_names)}"
             _by_name[self.name] = self
@@ -270,6 +271,8 @@ class Communicator:
             )
         self.lsa_ranks = team
         self.lsa_rank = team.index(self.rank)
+        #: host waits yield the core between polls when this node's ranks outnumber its CPUs
+        self._polite = oversubscribed(len(team))
         # Nobody may drop the heap's name before every peer has mapped it.
         self._boot.barrier(what=f"{func} (heap mapping)")
         self._segment.seal()
@@ -674,7 +677,7 @@ class Communicator:
         deadline = time.monotonic() + self.timeout_s
         for r in self.lsa_ranks:
             addr = self.ptr + layout.HOST_BARRIER_OFF + r * layout.SLOT_BYTES
-            ok, _ = rt.wait_until(addr, CMP_GE, WORD_INT64, epoch, max(0.0, deadline - time.monotonic()))
+            ok, _ = wait_ge(rt, addr, epoch, max(0.0, deadline - time.monotonic()), polite=self._polite)
             if not ok:
                 late = [
                     q

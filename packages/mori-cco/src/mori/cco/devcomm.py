@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from mori.cco import env, layout
 from mori.cco.sdma import SdmaEngine, SdmaQueue
-from mori.core.backend import CMP_GE, OP_FETCH, OP_SET, WORD_INT64
+from mori.cco.waits import wait_ge
+from mori.core.backend import OP_FETCH, OP_SET, WORD_INT64
 from mori.core.errors import (
     MoriBackendError,
     MoriStateError,
@@ -218,7 +219,7 @@ class DevCommHandle:
         deadline = time.monotonic() + limit
         for member in range(self.lsa_size):
             addr = self._lsa_slot_addr(self.lsa_rank, index, member)
-            ok, _ = rt.wait_until(addr, CMP_GE, WORD_INT64, epoch, max(0.0, deadline - time.monotonic()))
+            ok, _ = wait_ge(rt, addr, epoch, max(0.0, deadline - time.monotonic()), polite=self._comm._polite)
             if not ok:
                 late = [
                     self._comm.lsa_ranks[m]
