@@ -276,6 +276,7 @@ class SdmaQueue:
         full, at most ``timeout`` seconds, default ``MORI_BOOTSTRAP_TIMEOUT``). Starts by
         :meth:`commit` at the latest."""
         func = "SdmaQueue.put"
+        self._check(func)
         peer = self._peer(func, peer)
         nbytes = self._nbytes(func, nbytes)
         me = self._engine.comm.lsa_rank
@@ -297,6 +298,7 @@ class SdmaQueue:
         """Post a copy of ``nbytes`` from LSA peer ``peer``'s ``src_win`` at ``src_off`` into this
         rank's ``dst_win`` at ``dst_off``. Complete after :meth:`quiet`; no signal."""
         func = "SdmaQueue.get"
+        self._check(func)
         peer = self._peer(func, peer)
         nbytes = self._nbytes(func, nbytes)
         me = self._engine.comm.lsa_rank
