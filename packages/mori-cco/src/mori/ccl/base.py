@@ -81,7 +81,7 @@ class Collective:
     ) -> None:
         func = self.NAME
         transit = _size(func, "transit_buffer_size", transit_buffer_size, ch.DEFAULT_TRANSIT)
-        self.input_buffer_size = _size(func, "input_buffer_size", input_buffer_size, transit)
+        self.input_buffer_size = _size(func, "input_buffer_size", input_buffer_size, 0) or None
         self.output_buffer_size = _size(func, "output_buffer_size", output_buffer_size, 0) or None
         small = _size(func, "small_cap", small_cap, ch.SMALL_CAP)
         if not isinstance(copy_output_to_user, bool):
@@ -168,7 +168,7 @@ class Collective:
         return value
 
     def _check_limits(self, func: str, in_bytes: int, out_bytes: int, staged: int) -> None:
-        if in_bytes > self.input_buffer_size:
+        if self.input_buffer_size is not None and in_bytes > self.input_buffer_size:
             raise bad_value(
                 func, "input", f"{in_bytes} bytes", f"at most input_buffer_size={self.input_buffer_size}"
             )

@@ -65,6 +65,18 @@ def _copy(dst_ptr, src_ptr, n, BLOCK: tl.constexpr):
 
 @device_function
 @triton.jit
+def _bf16_rtne(x):
+    # float32 -> bfloat16 rounded to nearest, ties to even, in integer arithmetic: the rounding torch
+    # and the GPUs' cvt.rn use, written out so that the interpreter (which truncates) agrees
+    bits = x.to(tl.uint32, bitcast=True)
+    lsb = (bits >> 16) & 1
+    rounded = ((bits + 0x7FFF + lsb) >> 16).to(tl.uint16)
+    quiet_nan = ((bits >> 16) | 0x40).to(tl.uint16)
+    return tl.where(x != x, quiet_nan, rounded).to(tl.bfloat16, bitcast=True)
+
+
+@device_function
+@triton.jit
 def _reduce_block(out_ptr, local_ptr, start, mask, win, devcomm, ACC_F32: tl.constexpr, BLOCK: tl.constexpr):
     # out[start + i] = sum over LSA ranks p of p's copy of local[start + i], in rank order (every
     # rank sums in the same order, so all get the same bits); fp32 accumulation for floats, wrapping
@@ -83,7 +95,10 @@ def _reduce_block(out_ptr, local_ptr, start, mask, win, devcomm, ACC_F32: tl.con
         else:
             acc += v
         p += 1
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        tl.store(out_ptr + offs, _bf16_rtne(acc), mask=mask)
+    else:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @device_function
