@@ -19,6 +19,7 @@ and copy-engine copies (:mod:`mori.ccl.base`, ``last_path`` says which ran). "Sd
 original's name for its copy-engine paths; the names are kept.
 """
 
+from mori.ccl import torch_ops  # registers torch.ops.mori_ccl
 from mori.ccl.allgather import All2allSdma, AllgatherSdma
 from mori.ccl.allreduce import AllreduceSdma
 from mori.ccl.gather_into_tensor import AllGatherIntoTensor, DataType, size_of
@@ -33,4 +34,5 @@ __all__ = [
     "HierAllGather",
     "hier_allgather_reference",
     "size_of",
+    "torch_ops",
 ]
