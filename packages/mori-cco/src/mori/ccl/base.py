@@ -280,7 +280,7 @@ class Collective:
 
     def _per_program(self, elems: int) -> int:
         """Elements of one program's slice: a multiple of BLOCK covering ``elems`` in P slices."""
-        block = self.kernels.BLOCK
+        block = int(self.kernels.BLOCK)
         return max(block, -(-elems // (self.ch.programs * block)) * block)
 
     def _stage(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -309,11 +309,11 @@ class _Async:
             self._thread.start()
             self._event = None
         else:
-            side = torch.cuda.Stream(device=owner.device)
+            side = torch.cuda.Stream(device=owner.device)  # type: ignore[no-untyped-call]
             side.wait_stream(stream)
             with owner._lock, torch.cuda.stream(side):
                 owner.last_path = body()
-            self._event = torch.cuda.Event()
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._event.record(side)
             self._side = side
 

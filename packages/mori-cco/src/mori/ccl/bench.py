@@ -304,7 +304,7 @@ class _Timer:
             graph: Any = None
             error = ""
             try:
-                side = torch.cuda.Stream()
+                side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     fn()  # compile and load outside the capture
@@ -334,7 +334,8 @@ class _Timer:
                 self.comm.barrier()
                 if self.device_barrier is not None:
                     self.device_barrier()  # the ranks start together, on the device
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                b = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
                 a.record()
                 if graph is not None:
                     graph.replay()
@@ -506,7 +507,7 @@ def _runnable(fns: dict[str, Callable[[], object]]) -> dict[str, Callable[[], ob
         ok = 1
         try:
             fn()
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
+            if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
                 torch.cuda.synchronize()
         except Exception as e:
             ok = 0

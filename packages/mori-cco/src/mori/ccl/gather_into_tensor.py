@@ -127,7 +127,7 @@ class AllGatherIntoTensor:
                 f"{tuple(output.shape)} ({output.numel()} elements)",
                 f"npes * input.numel() = {self.npes * input.numel()} elements",
             )
-        nbytes = input.numel() * input.element_size()
+        nbytes = int(input.numel() * input.element_size())
         if nbytes % WORD:
             raise bad_value(func, "input", f"{nbytes} bytes", "a multiple of 4 bytes (uint32 words)")
         return nbytes // WORD

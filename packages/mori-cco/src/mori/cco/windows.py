@@ -118,7 +118,8 @@ class RegisteredWindow:
             raise bad_value(func, "numel", numel, f"at most {(self.size - offset) // item} {dt} elements")
         if start % item:
             raise bad_value(func, "offset", offset, f"a multiple of {item} (the size of {dt})")
-        return self._comm._runtime.byte_view(start, count * item).view(dt)
+        view: torch.Tensor = self._comm._runtime.byte_view(start, count * item).view(dt)
+        return view
 
     def _check_open(self, func: str) -> None:
         if self.closed:
