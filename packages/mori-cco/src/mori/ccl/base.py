@@ -263,7 +263,8 @@ class Collective:
         self.ch.reset()
 
     def close(self) -> None:
-        """Free the staging (collective when the object made its own communicator)."""
+        """Free the staging. Collective (every rank closes, in the same order as other collective
+        calls); the context manager's exit does it."""
         if self.is_async_in_progress():
             self.wait_async()
         self.ch.close()

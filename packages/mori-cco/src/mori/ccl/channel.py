@@ -198,11 +198,16 @@ class Channel:
         self.comm.barrier()
 
     def close(self) -> None:
+        """Collective: free the staging (on a caller's communicator: deregister and free it; the
+        device communicator's few barrier words stay until the communicator is destroyed)."""
         if self.closed:
             return
         self.closed = True
         if self.owned:
             self.comm.destroy()
+        elif not self.comm.closed:
+            self.comm.deregister_window(self.window)
+            self.comm.free_mem(self.mem)
 
 
 def reject_unknown(func: str, name: str, value: Any, allowed: tuple[str, ...]) -> str:
