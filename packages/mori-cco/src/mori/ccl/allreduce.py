@@ -54,6 +54,12 @@ def sum_views(views: list[torch.Tensor], out: torch.Tensor) -> None:
         out.add_(v)
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes of two contiguous tensors overlap."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 class AllreduceSdma(Collective):
     """Sum of every PE's ``count`` elements of ``dtype``, on every PE (see the module docstring).
 
@@ -175,19 +181,32 @@ class AllreduceSdma(Collective):
         off = ch.large_off
         dc = ch.devcomm
         dc.lsa_barrier_wait(ch.done)  # every peer finished reading our large region
-        ch.view(ch.rank, off, count * es).copy_(inp.view(torch.uint8))
-        dc.lsa_barrier_sync(ch.ready(0))
         chunk = self._chunk(count)
 
         def bounds(r: int) -> tuple[int, int]:
             return min(r * chunk, count), min((r + 1) * chunk, count)
 
         lo, hi = bounds(ch.rank)
+        # Stage what the peers reduce: every chunk but ours, which we read from the input itself,
+        # unless the output overlaps the input (in place): the sum then must not read what it writes.
+        raw, mine = inp.view(torch.uint8), ch.view(ch.rank, off, count * es)
+        aliased = _overlap(inp, out)
+        if aliased:
+            mine.copy_(raw)
+        else:
+            mine[: lo * es].copy_(raw[: lo * es])
+            mine[hi * es :].copy_(raw[hi * es :])
+        dc.lsa_barrier_sync(ch.ready(0))
         if hi > lo:
             # our chunk, summed in rank order straight into the output, then published for the peers
-            views = [ch.view(p, off + lo * es, (hi - lo) * es).view(self.dtype) for p in range(ch.nranks)]
+            views = [
+                inp[lo:hi]
+                if p == ch.rank and not aliased
+                else ch.view(p, off + lo * es, (hi - lo) * es).view(self.dtype)
+                for p in range(ch.nranks)
+            ]
             sum_views(views, out[lo:hi])
-            views[ch.rank].copy_(out[lo:hi])
+            ch.view(ch.rank, off + lo * es, (hi - lo) * es).view(self.dtype).copy_(out[lo:hi])
         dc.lsa_barrier_sync(ch.ready2(0))
         for p in range(ch.nranks):
             plo, phi = bounds(p)

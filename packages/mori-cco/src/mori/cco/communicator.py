@@ -98,8 +98,8 @@ class Communicator:
     """A communicator over ``nranks`` processes (see the module docstring). Make it with
     :meth:`init`; use it as a context manager or call :meth:`destroy`.
 
-    Attributes (read-only):
-        rank, nranks: this rank and the world size.
+    Attributes:
+        rank, nranks: this rank and the world size (read-only, like every attribute here).
         lsa_rank, lsa_size, lsa_ranks: this rank's index in its LSA team, the team's size and its
             members' global ranks (ascending).
         per_rank_size: bytes of every rank's heap.
