@@ -205,7 +205,8 @@ def _rank_main(rank: int, nranks: int, uid: Any, spec: dict[str, Any]) -> dict[s
     if cuda:
         torch.cuda.set_device(rank % spec["gpus"])
         dev = torch.device("cuda", torch.cuda.current_device())
-        backend = "cpu:gloo,cuda:nccl" if spec["baseline"] else "gloo"
+        # NCCL refuses two ranks on one GPU (and its watchdog may then abort the process)
+        backend = "cpu:gloo,cuda:nccl" if spec["baseline"] and spec["gpus"] >= nranks else "gloo"
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=nranks)
     else:
         dev = torch.device("cpu")
@@ -451,9 +452,12 @@ def _baselines(
 
     cuda = spec["device"] == "cuda"
     name = "nccl" if cuda else "gloo"
-    bdtype = dtype
-    if dtype == torch.uint32:
-        bdtype = torch.int32  # same bytes; gloo and NCCL have no uint32 sum
+    bdtype = torch.int32 if dtype == torch.uint32 else dtype  # same bytes; gloo and NCCL have no uint32 sum
+    if cuda and spec["gpus"] < spec["ranks"]:
+        _Failed.reasons["nccl"] = (
+            f"not run: NCCL refuses several ranks on one GPU ({spec['ranks']} ranks, {spec['gpus']} GPU)"
+        )
+        return _runnable(_symm_mem(in_numel, bdtype, dev) if coll == "allreduce" else {})
     out: dict[str, Callable[[], object]] = {}
     if coll == "allreduce":
         y = torch.zeros(in_numel, dtype=bdtype, device=dev)

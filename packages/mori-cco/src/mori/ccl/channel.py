@@ -195,7 +195,7 @@ class Channel:
         assert d._window is not None
         d._window.view().zero_()
         self.ticket.zero_()
-        self.comm.barrier()
+        self.comm.barrier()  # fences first: the zeroes are in place everywhere after it
 
     def close(self) -> None:
         """Collective: free the staging (on a caller's communicator: deregister and free it; the

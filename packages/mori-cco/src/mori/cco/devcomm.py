@@ -303,6 +303,7 @@ def create_dev_comm(comm: Communicator, requirements: CCODevCommRequirements) ->
     if nbytes:
         mem = comm.alloc_mem(nbytes)
         comm.tensor(mem.ptr, nbytes).zero_()
+        comm._runtime.fence()  # zeroed before any peer can arrive (a GPU zeroes asynchronously)
         window = comm.register_window(mem.ptr, nbytes)  # collective: every rank zeroed its slots first
     words: list[int] = [0] * layout.DC_HEADER_WORDS
     words[layout.DC_RANK] = comm.rank

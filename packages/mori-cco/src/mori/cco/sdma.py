@@ -81,6 +81,7 @@ class SdmaEngine:
         nbytes = (queues * lsa + queues) * _W
         self._mem = comm.alloc_mem(nbytes)
         comm.tensor(self._mem.ptr, nbytes).zero_()
+        comm._runtime.fence()  # zeroed before any peer can signal (a GPU zeroes asynchronously)
         self.window = comm.register_window(self._mem.ptr, nbytes)  # collective, after every rank zeroed
         self.reserved_addr = self._mem.ptr + queues * lsa * _W
         # rings and doorbell: host-visible memory of this rank
