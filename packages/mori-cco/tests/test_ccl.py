@@ -157,10 +157,15 @@ def _all(rank: int, n: int, uid: UniqueId, port: int, impl: str, counts: list[in
         for words in counts:
             paths.add(_check_allgather(ag, rank, n, words, words))
             paths.add(_check_all2all(a2, rank, n, max(1, words // n), words))
-        if impl == "triton":  # the copy-engine path, here with torch copies on CPU tensors
+        if impl == "triton":
+            # the copy-engine path, here with torch copies on CPU tensors
             ce = ccl.AllgatherSdma(rank, n, comm=c, small_cap=SMALL, copy_engine_min=0, **kw)
             paths.add(_check_allgather(ce, rank, n, counts[-1], 5))
             ce.close()
+            # one-shot with programs whose slices hold whole blocks (the unmasked loop) and a tail
+            big = ccl.AllreduceSdma(rank, n, dtype=torch.bfloat16, comm=c, oneshot_max=1 << 20, **kw)
+            paths.add(_check_allreduce(big, rank, n, 2 * 8192 + 77, 6))
+            big.close()
 
         # torch.distributed.all_gather_into_tensor semantics, [n * d0, d1] and [n, d0, d1] outputs
         agt = ccl.AllGatherIntoTensor(rank, n, comm=c, small_cap=SMALL, **kw)
@@ -227,7 +232,8 @@ def test_every_collective_matches_gloo_host_path(nranks: int) -> None:
 @needs_triton
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_every_collective_matches_gloo_triton_kernels(nranks: int) -> None:
-    counts = [1, 1024, 1500] if nranks == 2 else [3, 1100]
+    # 20001: slices of several whole blocks (BLOCK = 4096) and a tail, in every kernel
+    counts = [1, 1024, 1500, 20001] if nranks == 2 else [3, 1100]
     paths = _ranks(_all, nranks, "triton", counts, env=INTERPRET, timeout=280)[0]
     want = {"triton:oneshot", "triton:rsag", "triton:small", "triton:large", "copy-engine:hier"}
     assert want <= paths, paths

@@ -27,7 +27,7 @@ from mori.core.kernels import aot_variants, device_function
 __all__ = ["allreduce_oneshot_kernel", "allreduce_rsag_kernel", "gather_kernel", "sync_kernel"]
 
 #: elements per step of one program, and warps per program, of every launch
-BLOCK = 1024
+BLOCK = 4096
 NUM_WARPS = 8
 #: torch dtype name -> Triton pointer type, for the variants
 REDUCE_TYPES = {
