@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from mori.cco import layout
 from mori.cco.unique_id import UniqueId
-from mori.cco.waits import oversubscribed, wait_ge
+from mori.cco.waits import oversubscribed, wait_ge, wake
 from mori.cco.windows import AllocatedMemory, ImportedWindow, RegisteredWindow, ShmImport, find_shm_range
 from mori.core import bootstrap, env
 from mori.core.backend import (
@@ -672,8 +672,11 @@ class Communicator:
         rt = self._runtime
         rt.fence()
         slot = layout.HOST_BARRIER_OFF + self.rank * layout.SLOT_BYTES
+        polite = self._polite and rt.torch_device == "cpu"
         for r in self.lsa_ranks:
             rt.atomic_rmw(self._bases[r] + slot, OP_SET, WORD_INT64, epoch)
+            if polite:
+                wake(self._bases[r] + slot)  # a peer may sleep on it (mori.cco.waits)
         deadline = time.monotonic() + self.timeout_s
         for r in self.lsa_ranks:
             addr = self.ptr + layout.HOST_BARRIER_OFF + r * layout.SLOT_BYTES

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from mori.cco import env, layout
 from mori.cco.sdma import SdmaEngine, SdmaQueue
-from mori.cco.waits import wait_ge
+from mori.cco.waits import wait_ge, wake
 from mori.core.backend import OP_FETCH, OP_SET, WORD_INT64
 from mori.core.errors import (
     MoriBackendError,
@@ -203,8 +203,12 @@ class DevCommHandle:
         epoch = int(rt.atomic_rmw(addr, OP_FETCH, WORD_INT64, 0)) + 1
         rt.atomic_rmw(addr, OP_SET, WORD_INT64, epoch)
         rt.fence()
+        polite = self._comm._polite and rt.torch_device == "cpu"
         for member in range(self.lsa_size):
-            rt.atomic_rmw(self._lsa_slot_addr(member, index, self.lsa_rank), OP_SET, WORD_INT64, epoch)
+            slot = self._lsa_slot_addr(member, index, self.lsa_rank)
+            rt.atomic_rmw(slot, OP_SET, WORD_INT64, epoch)
+            if polite:
+                wake(slot)  # a peer may sleep on it (mori.cco.waits)
         return epoch
 
     def lsa_barrier_wait(self, index: int, *, timeout: float | None = None) -> None:
