@@ -103,6 +103,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="all-reduce dtype (default float32)")
     p.add_argument("--impl", choices=("auto", "host", "triton"), default="auto", help="mori implementation")
+    p.add_argument(
+        "--max-programs",
+        type=int,
+        default=None,
+        help="programs per kernel launch (default: the collectives' own)",
+    )
     p.add_argument("--iters", type=int, default=None, help="samples per size (default cpu 7, cuda 20)")
     p.add_argument("--warmup", type=int, default=2, help="untimed samples first (default 2)")
     p.add_argument("--reps", type=int, default=20, help="cuda: calls per CUDA graph (default 20)")
@@ -144,6 +150,7 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         "sizes": sizes,
         "dtype": args.dtype,
         "impl": args.impl,
+        "max_programs": args.max_programs,
         "iters": iters,
         "warmup": args.warmup,
         "reps": args.reps,
@@ -376,7 +383,12 @@ def _collective(
 
     dtype = getattr(torch, spec["dtype"]) if coll == "allreduce" else torch.int32
     top = max(spec["sizes"])
-    common = {"transit_buffer_size": top, "comm": comm, "impl": spec["impl"]}
+    common = {
+        "transit_buffer_size": top,
+        "comm": comm,
+        "impl": spec["impl"],
+        "max_programs": spec["max_programs"],
+    }
     if coll == "allreduce":
         obj: Any = ccl.AllreduceSdma(rank, n, dtype=dtype, **common)
     elif coll == "allgather":
@@ -433,6 +445,7 @@ def _collective(
                     "type": str(dtype).removeprefix("torch."),
                     "redop": "sum" if coll == "allreduce" else "none",
                     "path": obj.last_path,
+                    "programs": obj.ch.programs,
                     "wrong": wrong,
                     "timings": {k: v for k, v in timed.items()},
                 }
@@ -619,7 +632,11 @@ def _report(config: dict[str, Any], rows: list[dict[str, Any]]) -> bool:
         print(f"\n{coll} (busbw = algbw * {factor:.3g}); x<baseline> = baseline time / mori time")
         print(bench.format_table(headers, table))
         modes = {k: v["mode"] for k, v in mine[0]["timings"].items()}
-        print("timing: " + "; ".join(f"{k}: {v}" for k, v in modes.items()))
+        print(
+            "timing: "
+            + "; ".join(f"{k}: {v}" for k, v in modes.items())
+            + f"; mori programs per launch: {mine[0]['programs']}"
+        )
     if config.get("baselines_failed"):
         print(
             "baselines that did not run: "
