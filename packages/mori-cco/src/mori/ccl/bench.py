@@ -1,5 +1,7 @@
-"""Collectives bandwidth and latency (all-reduce, all-gather, all-to-all), nccl-tests style, against
-the collectives a user would pick instead, in the same run.
+"""All-reduce, all-gather, all-to-all in nccl-tests' layout, against gloo / NCCL / torch symm_mem.
+
+Latency and bandwidth of mori.ccl's collectives and, in the same run, of the collectives a user
+would pick instead.
 
 ``mori bench cco`` runs :class:`~mori.ccl.AllreduceSdma`, :class:`~mori.ccl.AllgatherSdma` and
 :class:`~mori.ccl.All2allSdma` on ``--ranks`` local ranks (one :class:`~mori.cco.Communicator`)
