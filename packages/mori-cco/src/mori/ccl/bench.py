@@ -179,9 +179,12 @@ def run(args: argparse.Namespace) -> int:
             "CUDA_MODULE_LOADING": os.environ.get("CUDA_MODULE_LOADING", "EAGER"),
         }
     uid = Communicator.get_unique_id()
+    load_before = os.getloadavg()
     results = run_ranks(_rank_main, spec["ranks"], uid, spec, timeout=args.timeout, env=env)
     rows = results[0]["rows"]
     config = {k: v for k, v in spec.items() if k != "port"}
+    # the machine's 1/5/15-minute load averages around the run: CPU ranks share the cores with it
+    config["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
     config.update(
         {k: results[0][k] for k in ("device_name", "torch", "barrier_us", "barrier_mode", "baselines_failed")}
     )
@@ -567,10 +570,13 @@ def _stats(samples: list[float], size: int, factor: float) -> dict[str, Any]:
 
 def _report(config: dict[str, Any], rows: list[dict[str, Any]]) -> bool:
     n = config["ranks"]
+    load = config.get("load_average", {})
     print(
         f"{SUITE}: {config['device_name']}, {n} ranks, torch {config['torch']}; impl {config['impl']}; "
         "time = median (p10-p90) per call of the slowest rank, GB/s = 1e9 B/s"
     )
+    if load:
+        print(f"machine load average (1, 5, 15 min): before {load['before']}, after {load['after']}")
     if config.get("barrier_us") is not None:
         print(
             f"device barrier (mori.cco LSA barrier kernel): {config['barrier_us']:.2f} us ({config['barrier_mode']})"
