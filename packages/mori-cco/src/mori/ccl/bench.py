@@ -184,7 +184,10 @@ def run(args: argparse.Namespace) -> int:
     rows = results[0]["rows"]
     config = {k: v for k, v in spec.items() if k != "port"}
     # the machine's 1/5/15-minute load averages around the run: CPU ranks share the cores with it
-    config["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
+    config["load_average"] = {
+        "before": [round(x, 2) for x in load_before],
+        "after": [round(x, 2) for x in os.getloadavg()],
+    }
     config.update(
         {k: results[0][k] for k in ("device_name", "torch", "barrier_us", "barrier_mode", "baselines_failed")}
     )
