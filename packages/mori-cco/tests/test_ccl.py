@@ -90,9 +90,18 @@ def _check_allreduce(
         assert torch.equal(out[count:].view(torch.uint8), keep.view(torch.uint8)), "wrote past count"
     everyone = _gathered(x, n)
     if dtype.is_floating_point:
+        # the documented order, in float32 with one rounding: rank order, except host:rsag, whose
+        # chunk r is summed in the ring order r, r-1, ..., r-n+1
         acc = torch.zeros(count, dtype=torch.float32)
-        for t in everyone:  # the documented order: rank 0, 1, ..., float32, one rounding
-            acc += t.float()
+        if obj.last_path == "host:rsag":
+            chunk = obj._chunk(count)
+            for r in range(n):
+                lo, hi = min(r * chunk, count), min((r + 1) * chunk, count)
+                for s in range(n):
+                    acc[lo:hi] += everyone[(r - s) % n][lo:hi].float()
+        else:
+            for t in everyone:
+                acc += t.float()
         assert torch.equal(got.view(torch.uint8), acc.to(dtype).view(torch.uint8)), (
             dtype,
             count,

@@ -59,7 +59,7 @@ class Collective:
     instead of one made over mori.shmem. ``impl``: see the module docstring. ``max_programs``:
     programs of a kernel launch (GPU default: the SMs divided by the ranks sharing this GPU, at most
     64). ``small_cap``: calls staging at most this many bytes use the one-sync protocol (default
-    1 MiB, the original's one-shot limit).
+    1 MiB, the original's one-shot limit; :class:`~mori.ccl.AllreduceSdma` on the host path: 512 KiB).
     """
 
     #: the class name in messages
@@ -83,12 +83,13 @@ class Collective:
         transit = _size(func, "transit_buffer_size", transit_buffer_size, ch.DEFAULT_TRANSIT)
         self.input_buffer_size = _size(func, "input_buffer_size", input_buffer_size, 0) or None
         self.output_buffer_size = _size(func, "output_buffer_size", output_buffer_size, 0) or None
-        small = _size(func, "small_cap", small_cap, ch.SMALL_CAP)
+        if small_cap is not None:
+            _size(func, "small_cap", small_cap, 0)
         if not isinstance(copy_output_to_user, bool):
             raise bad_type(func, "copy_output_to_user", copy_output_to_user, "a bool")
         self.copy_output_to_user = copy_output_to_user
         self.impl = ch.reject_unknown(func, "impl", impl, ch.IMPLS)
-        need = 2 * small + transit + (8 << 20)
+        need = 2 * (small_cap or ch.SMALL_CAP) + transit + (8 << 20)
         self.comm, owned = resolve_comm(func, my_pe, npes, comm, need)
         try:
             self.my_pe, self.npes = my_pe, npes
@@ -104,6 +105,7 @@ class Collective:
             if self.impl == "triton":
                 self.kernels = self._load_kernels(func)
             programs = 1 if self.impl == "host" else self._programs(func, max_programs)
+            small = small_cap or self._default_small_cap()
             self.ch = Channel(
                 func, self.comm, small_cap=small, large_cap=transit, programs=programs, owned=owned
             )
@@ -117,6 +119,10 @@ class Collective:
         self._lock = threading.Lock()
 
     # -- setup helpers ------------------------------------------------------------------------------
+
+    def _default_small_cap(self) -> int:
+        """Bytes staged by the small protocol when ``small_cap`` is None (``self.impl`` is known)."""
+        return ch.SMALL_CAP
 
     def _load_kernels(self, func: str) -> Any:
         from mori.ccl import kernels
