@@ -51,6 +51,7 @@ from mori.core.backend import (
 )
 from mori.core.errors import (
     MoriBackendError,
+    MoriOutOfMemoryError,
     MoriStateError,
     MoriTimeoutError,
     MoriValueError,
@@ -194,7 +195,7 @@ class Communicator:
         if per_rank_vmm < 2 * layout.USER_OFF:
             raise bad_value(func, "per_rank_vmm", per_rank_vmm, f"a number of bytes >= {2 * layout.USER_OFF}")
         per_rank = -(-per_rank_vmm // HEAP_ALIGN) * HEAP_ALIGN
-        boot = bootstrap.StoreBootstrap(rank, nranks, bytes(uid), func=func)
+        boot = bootstrap.from_unique_id(rank, nranks, bytes(uid), func=func)
         try:
             return cls(_INIT_KEY, boot, per_rank)
         except BaseException:
@@ -203,8 +204,15 @@ class Communicator:
 
     def _setup(self) -> None:
         func = "Communicator.init"
-        tag = f"cco{os.urandom(6).hex()}.{self.rank}"
-        self._segment = self._runtime.create_segment(self.per_rank_size, tag)
+        # the job's id first: every name a runtime derives from it groups by job (mori-heap.<job>.*)
+        tag = f"{self._boot.job_id}.{self.rank}"
+        try:
+            self._segment = self._runtime.create_segment(self.per_rank_size, tag)
+        except MoriOutOfMemoryError as e:  # the runtime's text speaks of mori.shmem's variable
+            raise MoriOutOfMemoryError(
+                f"{func}: per_rank_vmm={self.per_rank_size} bytes cannot be allocated for this rank's heap on "
+                f"the {self._runtime.name} runtime; lower per_rank_vmm ({e})"
+            ) from e
         self._bases[self.rank] = self._segment.addr
         me = PeerInfo(
             rank=self.rank,
@@ -317,8 +325,6 @@ class Communicator:
         undefined. Raises :class:`~mori.core.errors.MoriOutOfMemoryError` when the heap
         (``per_rank_vmm``) has no room.
         """
-        from mori.core.errors import MoriOutOfMemoryError
-
         func = "Communicator.alloc_mem"
         _positive_int(func, "size", size, "a number of bytes > 0")
         if (
