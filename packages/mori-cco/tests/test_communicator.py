@@ -162,6 +162,11 @@ def _basics(rank: int, n: int, uid: UniqueId) -> None:
         for _ in range(25):
             dc.lsa_barrier_sync(1)
         assert dc.lsa_barrier_epoch(1) == 25 and dc.lsa_barrier_epoch(0) == 0
+        dc.lsa_barrier_arrive(0)
+        dc.lsa_barrier_wait(0, members=((rank + 1) % n,))  # one peer only
+        with pytest.raises(MoriValueError, match=r"members=\[5\] is not allowed"):
+            dc.lsa_barrier_wait(0, members=(5,))
+        dc.lsa_barrier_wait(0)
         with pytest.raises(
             MoriValueError, match=r"index=2 is not allowed; expected an LSA barrier in \[0, 2\)"
         ):

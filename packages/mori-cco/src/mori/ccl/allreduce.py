@@ -188,7 +188,8 @@ class AllreduceSdma(Collective):
         # Reduce-scatter by accumulation in place, then all-gather. Rank p's chunk is summed in
         # rank p's staging: p copies its own chunk there, then in step s = 1 .. n-1 rank p - s
         # adds its chunk p to it (every rank works on a different chunk in every step, so the
-        # steps run in parallel; one LSA barrier after each). No rank stages its input for the
+        # steps run in parallel; a rank waits only for the rank whose chunk it adds into next,
+        # and for everybody after the last step). No rank stages its input for the
         # others, and nobody copies a result twice: every rank then copies every chunk's sum
         # into its output. 16-bit floats accumulate in float32 (the staged sums are float32).
         ch = self.ch
@@ -212,13 +213,18 @@ class AllreduceSdma(Collective):
         dc.lsa_barrier_wait(ch.done)  # every peer finished reading our sums of the last call
         lo, hi = bounds(me)
         acc(me).copy_(x[lo:hi])
-        dc.lsa_barrier_sync(ch.ready(0))
+        # Step s adds into the chunk that rank me + 1 added into in step s - 1 (or initialised):
+        # waiting for that one rank is enough, until the last step, after which every sum is read.
+        nxt = ((me + 1) % n,)
+        dc.lsa_barrier_arrive(ch.ready(0))
+        dc.lsa_barrier_wait(ch.ready(0), members=nxt)
         for step in range(1, n):
             t = (me + step) % n
             tlo, thi = bounds(t)
             if thi > tlo:
                 acc(t).add_(x[tlo:thi])
-            dc.lsa_barrier_sync(ch.ready2(0))
+            dc.lsa_barrier_arrive(ch.ready2(0))
+            dc.lsa_barrier_wait(ch.ready2(0), members=nxt if step < n - 1 else None)
         # every sum is complete; the input is no longer read (so out may be inp: in place)
         for p in range(n):
             plo, phi = bounds(p)

@@ -17,6 +17,7 @@ accepted; nothing in :mod:`mori.cco.device` issues GDA operations yet.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -211,23 +212,31 @@ class DevCommHandle:
                 wake(slot)  # a peer may sleep on it (mori.cco.waits)
         return epoch
 
-    def lsa_barrier_wait(self, index: int, *, timeout: float | None = None) -> None:
+    def lsa_barrier_wait(
+        self, index: int, *, timeout: float | None = None, members: Sequence[int] | None = None
+    ) -> None:
         """Wait until every LSA peer arrived at LSA barrier ``index`` as often as this rank did.
-        Raises :class:`~mori.core.errors.MoriTimeoutError` naming the late ranks after ``timeout``
-        seconds (default ``MORI_BOOTSTRAP_TIMEOUT``)."""
+
+        ``members``: wait for these LSA ranks only (default: all), e.g. the one whose work this
+        rank depends on next. Raises :class:`~mori.core.errors.MoriTimeoutError` naming the late
+        ranks after ``timeout`` seconds (default ``MORI_BOOTSTRAP_TIMEOUT``)."""
         func = "DevCommHandle.lsa_barrier_wait"
         index = self._lsa_barrier(func, index)
+        wanted = range(self.lsa_size) if members is None else members
+        for member in wanted:
+            if isinstance(member, bool) or not isinstance(member, int) or not 0 <= member < self.lsa_size:
+                raise bad_value(func, "members", list(wanted), f"LSA ranks in [0, {self.lsa_size})")
         rt = self._comm._runtime
         epoch = int(rt.atomic_rmw(self._lsa_epoch_addr(index), OP_FETCH, WORD_INT64, 0))
         limit = self._comm.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
-        for member in range(self.lsa_size):
+        for member in wanted:
             addr = self._lsa_slot_addr(self.lsa_rank, index, member)
             ok, _ = wait_ge(rt, addr, epoch, max(0.0, deadline - time.monotonic()), polite=self._comm._polite)
             if not ok:
                 late = [
                     self._comm.lsa_ranks[m]
-                    for m in range(self.lsa_size)
+                    for m in wanted
                     if rt.atomic_rmw(self._lsa_slot_addr(self.lsa_rank, index, m), OP_FETCH, WORD_INT64, 0)
                     < epoch
                 ]
