@@ -13,8 +13,7 @@ Two algorithms, chosen by size on every rank alike (``last_path`` says which ran
   chunk. No input is staged twice: a quarter less memory traffic than staging, on CPU ranks that
   share cores the difference is the time.
 
-``oneshot_max`` defaults to 1 MiB (the original's limit) for the kernels and to 512 KiB on the host
-path, where the accumulating reduce-scatter is faster from about there (4 ranks on 2 cores).
+``oneshot_max`` defaults to 1 MiB, the original's limit, on both paths.
 
 Every rank gets the same bits: each element is summed once, in a fixed order (rank order, or for
 ``host:rsag`` the ring order ``r, r-1, ..., r-n+1`` of its chunk ``r``, modulo ``n``), and all ranks
@@ -29,7 +28,6 @@ from typing import Any
 import torch
 
 from mori.ccl.base import Collective
-from mori.ccl.channel import SMALL_CAP
 from mori.core.errors import bad_type, bad_value
 
 __all__ = ["DTYPES", "AllreduceSdma"]
@@ -39,8 +37,6 @@ DTYPES: tuple[torch.dtype, ...] = (torch.uint32, torch.int32, torch.float32, tor
 MODES = ("eager", "graph")
 #: chunk boundaries of reduce-scatter are multiples of this many bytes (aligned vector accesses)
 CHUNK_ALIGN = 256
-#: default ``oneshot_max`` of the host path (see the module docstring)
-HOST_ONESHOT_MAX = 512 << 10
 
 
 def _names(dtypes: tuple[torch.dtype, ...]) -> str:
@@ -72,7 +68,7 @@ class AllreduceSdma(Collective):
 
     Arguments as :class:`~mori.ccl.base.Collective`, plus ``dtype`` (one of :data:`DTYPES`),
     ``mode`` (``"eager"`` or ``"graph"``: the same kernels either way, capturable on GPUs) and
-    ``oneshot_max`` (bytes; default 1 MiB for the kernels, 512 KiB on the host path).
+    ``oneshot_max`` (bytes; default 1 MiB).
     """
 
     NAME = "AllreduceSdma"
@@ -114,9 +110,6 @@ class AllreduceSdma(Collective):
             max_programs=max_programs,
             small_cap=oneshot_max,
         )
-
-    def _default_small_cap(self) -> int:
-        return HOST_ONESHOT_MAX if self.impl == "host" else SMALL_CAP
 
     # -- public calls -------------------------------------------------------------------------------
 
