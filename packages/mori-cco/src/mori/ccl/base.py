@@ -59,7 +59,7 @@ class Collective:
     instead of one made over mori.shmem. ``impl``: see the module docstring. ``max_programs``:
     programs of a kernel launch (GPU default: the SMs divided by the ranks sharing this GPU, at most
     64). ``small_cap``: calls staging at most this many bytes use the one-sync protocol (default
-    1 MiB, the original's one-shot limit).
+    1 MiB, the original's one-shot limit; :class:`~mori.ccl.AllreduceSdma` on the host path: 512 KiB).
     """
 
     #: the class name in messages
@@ -105,7 +105,7 @@ class Collective:
             if self.impl == "triton":
                 self.kernels = self._load_kernels(func)
             programs = 1 if self.impl == "host" else self._programs(func, max_programs)
-            small = small_cap or ch.SMALL_CAP
+            small = small_cap or self._default_small_cap()
             self.ch = Channel(
                 func, self.comm, small_cap=small, large_cap=transit, programs=programs, owned=owned
             )
@@ -119,6 +119,10 @@ class Collective:
         self._lock = threading.Lock()
 
     # -- setup helpers ------------------------------------------------------------------------------
+
+    def _default_small_cap(self) -> int:
+        """Bytes of the small protocol when ``small_cap`` is None (``self.impl`` is known here)."""
+        return ch.SMALL_CAP
 
     def _load_kernels(self, func: str) -> Any:
         from mori.ccl import kernels
