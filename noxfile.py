@@ -46,7 +46,14 @@ KERNEL_DEPS = nox.project.dependency_groups(PYPROJECT, "kernels")  # the pinned 
 # modules of the namespace, and mori-viz (config: [tool.mypy] in the root pyproject).
 MYPY_SRC = ROOT / "packages" / "mori-core" / "src"
 MYPY_VIZ_SRC = ROOT / "packages" / "mori-viz" / "src"
-MYPY_TARGETS = [MYPY_SRC / "mori", MYPY_VIZ_SRC / "mori" / "viz"]
+#: mori-cco (a new package, typed from the start) is checked too; its sources join MYPYPATH
+MYPY_CCO_SRC = ROOT / "packages" / "mori-cco" / "src"
+MYPY_TARGETS = [
+    MYPY_SRC / "mori",
+    MYPY_VIZ_SRC / "mori" / "viz",
+    MYPY_CCO_SRC / "mori" / "cco",
+    MYPY_CCO_SRC / "mori" / "ccl",
+]
 
 #: what ``nox -s build`` imports from the full install: the architecture of record (DESIGN.md),
 #: plus every ``mori.<x>`` package found in the built wheels
@@ -381,7 +388,7 @@ def lint(session: nox.Session) -> None:
         session.run(
             "mypy",
             *(p.relative_to(ROOT).as_posix() for p in MYPY_TARGETS),
-            env={"MYPYPATH": os.pathsep.join(map(str, (MYPY_SRC, MYPY_VIZ_SRC)))},
+            env={"MYPYPATH": os.pathsep.join(map(str, (MYPY_SRC, MYPY_VIZ_SRC, MYPY_CCO_SRC)))},
         )
     except CommandFailed:
         failed.append("mypy")

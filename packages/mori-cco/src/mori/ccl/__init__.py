@@ -1,26 +1,38 @@
-"""mori.ccl: collective operations (allgather, all-to-all, allreduce). PLACEHOLDER: nothing is
-implemented yet.
+"""mori.ccl: collectives on symmetric memory, with the original's classes and call shapes.
 
-mori-cco 0.1.0 is an empty placeholder. The CCL component is not implemented yet; this module
-provides none of its names, and accessing any of them raises :class:`AttributeError`. Progress is
-tracked in the project's issues.
+Each collective is an object made once per rank (collective) and called per step:
 
-What it will be: collective operations on symmetric memory, each an object constructed once per
-rank with its buffer sizes and then called per step: allgather, all-to-all and allreduce over copy
-engines, a ring allgather across nodes, sub-group variants, and a hierarchical allgather (within a
-node, then across nodes) that matches ``torch.distributed.all_gather_into_tensor`` bit for bit.
+* :class:`AllgatherSdma` (``__call__(inp, out, count_per_pe, stream)``, async, the FSDP
+  parameter-contiguous layout), :class:`All2allSdma`, :class:`AllreduceSdma` (uint32, int32,
+  float32, float16, bfloat16; one-shot up to 1 MiB, reduce-scatter + all-gather above;
+  ``allreduce_inplace``; async; CUDA-graph capturable on GPUs);
+* :class:`AllGatherIntoTensor` (``torch.distributed.all_gather_into_tensor`` semantics) with
+  :class:`DataType` and :func:`size_of`;
+* :class:`HierAllGather` (intra-node copies + inter-node ring) and its pure-Python specification
+  :func:`hier_allgather_reference`;
+* :mod:`mori.ccl.torch_ops`: the same as ``torch.distributed``-style calls and torch custom ops.
 
-Planned public names: ``AllgatherSdma``, ``All2allSdma``, ``AllreduceSdma``,
-``AllGatherIntoTensor``, ``InterNodeRingAllgather``, ``IntraNodeSubGroupAllgatherSdma``,
-``IntraNodeSubGroupBroadcastSdma``, ``HierAllGather``, ``HostProxyHierAllGather``,
-``hier_allgather_reference``.
+The original's call shape needs mori.shmem initialised (``AllgatherSdma(my_pe, npes, ...)``); pass
+``comm=`` (a :class:`mori.cco.Communicator`) to run on a communicator instead. The ``cpu`` runtime
+runs every collective with vectorised torch operations on shared memory; GPUs run Triton kernels
+and copy-engine copies (:mod:`mori.ccl.base`, ``last_path`` says which ran). "Sdma" is the
+original's name for its copy-engine paths; the names are kept.
 """
 
-from __future__ import annotations
+from mori.ccl import torch_ops  # registers torch.ops.mori_ccl
+from mori.ccl.allgather import All2allSdma, AllgatherSdma
+from mori.ccl.allreduce import AllreduceSdma
+from mori.ccl.gather_into_tensor import AllGatherIntoTensor, DataType, size_of
+from mori.ccl.hier import HierAllGather, hier_allgather_reference
 
-from mori.core.placeholder import placeholder_getattr
-
-__all__: list[str] = []
-__status__ = "placeholder"
-
-__getattr__ = placeholder_getattr(__name__, "mori-cco", "CCL")
+__all__ = [
+    "All2allSdma",
+    "AllGatherIntoTensor",
+    "AllgatherSdma",
+    "AllreduceSdma",
+    "DataType",
+    "HierAllGather",
+    "hier_allgather_reference",
+    "size_of",
+    "torch_ops",
+]

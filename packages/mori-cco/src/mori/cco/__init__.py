@@ -1,25 +1,48 @@
-"""mori.cco: explicit communicators over a flat symmetric address space. PLACEHOLDER: nothing is
-implemented yet.
+"""mori.cco: explicit communicators over symmetric memory, and device communicators for kernels.
 
-mori-cco 0.1.0 is an empty placeholder. The CCO component is not implemented yet; this module
-provides none of its names, and accessing any of them raises :class:`AttributeError`. Progress is
-tracked in the project's issues. The collectives that will use it live in :mod:`mori.ccl`, from the
-same distribution and equally empty.
+The original's names and semantics (NCCL's device API is the model):
 
-What it will be: communicator objects (several per process) created from a unique id, which
-allocate and register memory windows that every rank can reach, and hand kernels a device-side
-communicator for load/store access to peers on the node, device-initiated RDMA and copy-engine
-transfers, with barriers.
+* :class:`Communicator`: ``get_unique_id()`` -> :class:`UniqueId`; ``init(nranks, rank, uid,
+  per_rank_vmm=4 GiB)`` (collective, a context manager, ``destroy()``); several per process,
+  thread-safe; ``alloc_mem`` -> :class:`AllocatedMemory`; ``register_window`` (collective) ->
+  :class:`RegisteredWindow`; ``register_external_window`` -> :class:`ImportedWindow` (another
+  process's shared memory on CPU, a torch symmetric-memory tensor on GPU); ``create_dev_comm``
+  (:class:`CCODevCommRequirements`) -> :class:`DevCommHandle`; ``barrier()``.
+* Transports: **LSA** (load/store to peers of the node: POSIX shared memory on the ``cpu``
+  runtime, NVLink / xGMI on GPUs) and the **copy-engine queues** (:mod:`mori.cco.sdma`).
+  **GDA** (device-initiated RDMA to other nodes) is served through the proxy of the transport
+  layer (issue 14), not in this build: calls that need it say so.
+* Device side for Triton kernels: :mod:`mori.cco.device` (needs triton).
 
-Planned public names: ``Communicator``, ``UniqueId``, ``AllocatedMemory``, ``RegisteredWindow``,
-``ImportedWindow``, ``DevCommHandle``, ``CCODevCommRequirements``.
+Built on mori-core's bootstrap (torch ``TCPStore`` unique id), device runtimes and transports.
 """
 
-from __future__ import annotations
+from mori.cco.communicator import DEFAULT_PER_RANK_VMM, Communicator
+from mori.cco.devcomm import (
+    GDA_CONNECTION_CROSSNODE,
+    GDA_CONNECTION_FULL,
+    GDA_CONNECTION_NONE,
+    GDA_CONNECTION_RAIL,
+    CCODevCommRequirements,
+    DevCommHandle,
+)
+from mori.cco.sdma import SdmaQueue
+from mori.cco.unique_id import UNIQUE_ID_BYTES, UniqueId
+from mori.cco.windows import AllocatedMemory, ImportedWindow, RegisteredWindow
 
-from mori.core.placeholder import placeholder_getattr
-
-__all__: list[str] = []
-__status__ = "placeholder"
-
-__getattr__ = placeholder_getattr(__name__, "mori-cco", "CCO")
+__all__ = [
+    "DEFAULT_PER_RANK_VMM",
+    "GDA_CONNECTION_CROSSNODE",
+    "GDA_CONNECTION_FULL",
+    "GDA_CONNECTION_NONE",
+    "GDA_CONNECTION_RAIL",
+    "UNIQUE_ID_BYTES",
+    "AllocatedMemory",
+    "CCODevCommRequirements",
+    "Communicator",
+    "DevCommHandle",
+    "ImportedWindow",
+    "RegisteredWindow",
+    "SdmaQueue",
+    "UniqueId",
+]
