@@ -20,6 +20,7 @@ step() { echo "== $*" | tee -a "$OUT/steps.log"; }
 
 setup() {
   step "setup: $(nvidia-smi -L | head -1); $(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
+  python3 -m pip list 2>/dev/null | grep -iE "^(pytest|hypothesis|numpy|msgpack|perfetto|protobuf|grpcio|redis|prometheus)" | tr -s ' ' | tr '\n' ';' | tee -a "$OUT/steps.log"; echo
   python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || return 1
   python3 -m pip install -q --no-deps --no-build-isolation packages/mori-core tests/mori-testing backends/nvlink \
     packages/mori-io packages/mori-viz packages/mori-ep packages/mori-umbp 2>&1 | tail -3 || return 1
@@ -35,7 +36,9 @@ tests() {
   local dirs=(packages/mori-core/tests backends/nvlink/tests packages/mori-io/tests packages/mori-ep/tests
               packages/mori-viz/tests packages/mori-umbp/tests/test_hbm.py)
   [ -d packages/mori-cco/tests ] && dirs+=(packages/mori-cco/tests)
-  timeout 480 python3 -m pytest -p no:cacheprovider -m "cuda or gpu" -q -rs --timeout 400 "${dirs[@]}" \
+  local per_test=()
+  python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 300)
+  timeout 420 python3 -m pytest -p no:cacheprovider -m "cuda or gpu" -q -rs --continue-on-collection-errors "${per_test[@]}" "${dirs[@]}" \
     --junitxml "$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
   rc=$((rc | ${PIPESTATUS[0]}))
   mps_off
@@ -50,8 +53,9 @@ bench() {
   timeout 200 mori bench ep --device cuda --ranks 2 --tokens 4096,128 --dtype bf16 --sms 64 --no-baseline --plot none \
     --trace "$OUT/ep-trace" --json "$OUT/ep-trace.json" 2>&1 | tail -25
   if [ -d packages/mori-cco ]; then
-    step "bench: CCO all-reduce in a CUDA graph vs the device barrier (2 ranks sharing the GPU)"
-    timeout 150 mori bench cco --device cuda --ranks 2 --json "$OUT/cco-h200.json" 2>&1 | tail -25
+    step "bench: CCO all-reduce 4K-1M in CUDA graphs vs the device barrier (2 ranks sharing the GPU)"
+    timeout 150 mori bench cco --device cuda --ranks 2 --gpus 1 --collectives allreduce \
+      --sizes 4K,16K,64K,256K,1M --iters 30 --reps 50 --json "$OUT/cco-cuda-h200-mps-allreduce.json" 2>&1 | tail -25
   fi
   mps_off
 }

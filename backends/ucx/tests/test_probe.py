@@ -147,7 +147,13 @@ def test_a_small_dev_shm_leaves_posix_out_instead_of_crashing() -> None:
         pytest.skip("unshare --mount / mount tmpfs is not permitted here")
     code = "from mori_backend_ucx import UcxTransport as T; t = T(); print(t.options()); print(t.probe())"
     env = {k: v for k, v in os.environ.items() if k not in ("UCX_TLS", "MORI_UCX_OPTIONS")}
-    out = subprocess.run([*cmd, sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    out = subprocess.run(
+        [*cmd, sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
     assert out.returncode == 0, f"rc {out.returncode}: {out.stderr[-2000:]}"
     options, availability = out.stdout.splitlines()[:2]
-    assert options == "tls=^posix" and "usable=True" in availability and "posix" not in availability.split("(", 2)[2]
+    assert (
+        options == "tls=^posix"
+        and "usable=True" in availability
+        and "posix" not in availability.split("(", 2)[2]
+    )

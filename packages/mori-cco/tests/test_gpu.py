@@ -137,7 +137,8 @@ def _collectives(rank: int, n: int, uid: UniqueId) -> set[str]:
                 x = _values(rank, case, count, dtype, dev)
                 out = torch.empty_like(x)
                 ar(x, out, count)
-                want = sum(_values(r, case, count, torch.int64, "cpu") for r in range(n))
+                shift = 30 if dtype == torch.uint32 else 0  # _values' uint32 offset, int64 here
+                want = sum(_values(r, case, count, torch.int64, "cpu") + shift for r in range(n))
                 got = (
                     out.cpu().view(torch.int32).to(torch.int64)
                     if dtype == torch.uint32

@@ -38,10 +38,17 @@ class TargetOnly:  # a driver that only names a target: warmup compiles for it h
 driver.set_active(TargetOnly())
 cache = os.environ["TRITON_CACHE_DIR"]
 
-def entries():  # compiled kernels: directories with files (a cache lookup may leave an empty one)
+def entries():  # compiled kernels: directories holding a kernel's IR (a cache lookup may leave an
+    # empty one; on a GPU the driver's launcher stubs, shared objects, land beside them)
     if not os.path.isdir(cache):
         return []
-    return sorted(d for d in os.listdir(cache) if os.listdir(os.path.join(cache, d)))
+    return sorted(
+        d for d in os.listdir(cache) if any(f.endswith(".ttir") for f in os.listdir(os.path.join(cache, d)))
+    )
+
+
+def contents():  # every cache directory and its files, for a failure's message
+    return {d: sorted(os.listdir(os.path.join(cache, d))) for d in sorted(os.listdir(cache))}
 """
 
 _PRECOMPILE_THEN_LAUNCH = """
@@ -255,12 +262,13 @@ kernels = [k for k in find_kernels() if k.name == "barrier_kernel"]
 report = precompile(kernels=kernels, progress=None)
 target = driver.active.get_current_target()
 assert report.targets == [f"{target.backend}:{target.arch}"] and report.count("compiled") == 1, report.summary()
-n = len(entries())
+n, before = len(entries()), contents()
 heap = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")  # a one-PE "heap" with the barrier words
 ctx = torch.tensor([0, 1, heap.data_ptr()], dtype=torch.int64, device="cuda")
 barrier_kernel[(1,)](ctx)  # a real launch: a barrier of one PE
 torch.cuda.synchronize()
-assert len(entries()) == n, "the launch compiled its kernel again"
+new = {d: f for d, f in contents().items() if d not in before}
+assert len(entries()) == n, f"the launch compiled its kernel again: {new}"
 print("ok")
 """
     run = _run(tmp_path, body)

@@ -25,10 +25,14 @@ def _buffer(func: str, op: Any) -> TraceBuffer:
     if isinstance(op, TraceBuffer):
         return op
     if not hasattr(op, "trace_buffer"):
-        raise bad_type(func, "op", op, "an operator with tracing (e.g. mori.ops.EpDispatchCombineOp) or a TraceBuffer")
+        raise bad_type(
+            func, "op", op, "an operator with tracing (e.g. mori.ops.EpDispatchCombineOp) or a TraceBuffer"
+        )
     buf = op.trace_buffer
     if buf is None:
-        raise MoriStateError(f"{func}: tracing is off for {type(op).__name__}; call op.enable_tracing() first")
+        raise MoriStateError(
+            f"{func}: tracing is off for {type(op).__name__}; call op.enable_tracing() first"
+        )
     return buf  # type: ignore[no-any-return]
 
 
