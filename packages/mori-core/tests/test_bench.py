@@ -61,3 +61,25 @@ def test_shmem_bench_prints_no_ratio_against_a_baseline_that_is_off() -> None:
     others = [r for j, r in enumerate(json_rows) if j != i]
     assert all(r["ratio"] is not None and not r["off"] for r in others)
     assert table[0][-1] == f"{others[0]['ratio']:.2f}"
+
+
+def test_a_record_names_the_code_that_ran(tmp_path, monkeypatch) -> None:
+    # A tree copied to a lent machine kept an old checkout's history: its records named a commit
+    # whose code did not run. An edited tracked file marks the commit dirty; the variable names it.
+    import subprocess
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "f").write_text("a")
+    git("add", "f")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MORI_BENCH_GIT_SHA", raising=False)
+    clean = bench.git_sha()
+    assert len(clean) >= 7 and not clean.endswith("+dirty")
+    (tmp_path / "f").write_text("b")
+    assert bench.git_sha() == clean + "+dirty"
+    monkeypatch.setenv("MORI_BENCH_GIT_SHA", "abc1234")
+    assert bench.git_sha() == "abc1234"

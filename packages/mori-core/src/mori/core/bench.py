@@ -116,10 +116,22 @@ def time_samples(fn: Callable[[], object], *, iters: int, warmup: int) -> list[f
 
 
 def git_sha() -> str:
-    try:
+    """The commit of the code that ran: MORI_BENCH_GIT_SHA, else HEAD, marked ``+dirty`` when a
+    tracked file differs from it (a record must not name code it did not run)."""
+    from mori.core.env import MORI_BENCH_GIT_SHA
+
+    given = MORI_BENCH_GIT_SHA.get()
+    if given:
+        return given
+
+    def git(*args: str) -> str:
         return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, timeout=5
+            ["git", *args], capture_output=True, text=True, check=True, timeout=5
         ).stdout.strip()
+
+    try:
+        sha = git("rev-parse", "--short", "HEAD")
+        return sha + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 

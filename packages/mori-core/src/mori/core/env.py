@@ -188,6 +188,14 @@ MORI_DISABLE_JIT = EnvVar(
     "1",
     parse_bool,
 )
+MORI_BENCH_GIT_SHA = EnvVar(
+    "MORI_BENCH_GIT_SHA",
+    None,
+    "The commit a benchmark record names as its code, for a tree without its git history (a copy "
+    "on a lent machine). Default: `git rev-parse` here, with '+dirty' when tracked files differ.",
+    "dbe3d40",
+    str,
+)
 
 #: every variable mori-core reads, in the order `mori env` prints them
 ALL: tuple[EnvVar[object], ...] = (
@@ -203,4 +211,5 @@ ALL: tuple[EnvVar[object], ...] = (
     MORI_PRECOMPILE,
     MORI_JIT_CACHE_DIR,
     MORI_DISABLE_JIT,
+    MORI_BENCH_GIT_SHA,
 )
