@@ -1,0 +1,263 @@
+"""The proxy: the SHMEM device API (Triton kernels, under the interpreter on CPU) on PEs that loads
+and stores cannot reach, at 2 emulated nodes x 2 ranks over every network transport installed;
+the proxy's checks (bad PE, address outside the heap, unregistered memory) and a full ring.
+
+Kernels live in ``_proxy_kernels.py`` (loaded by path after the launcher set TRITON_INTERPRET=1).
+The last test (marked ``cuda``) runs the same kernels compiled on one GPU, two PEs over the proxy.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("triton", reason="the device API needs Triton (pip install mori-core[triton])")
+
+from mori.testing import RankError, shmem_ranks
+
+TIMEOUT = 150.0  # a device wait has no timeout: a broken proxy would hang the ranks
+BASE_ENV = {"TRITON_INTERPRET": "1", "MORI_BOOTSTRAP_TIMEOUT": "60"}
+
+
+def _kernels() -> ModuleType:
+    name = "mori_test_proxy_kernels"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_proxy_kernels.py"))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _two_nodes(rank: int, nranks: int) -> None:
+    os.environ["MORI_NODE_ID"] = f"node{rank // 2}"
+
+
+def _node_per_rank(rank: int, nranks: int) -> None:
+    os.environ["MORI_NODE_ID"] = f"node{rank}"
+
+
+def _network_transports() -> list[str]:
+    from mori.core.transport import find_network_transport
+
+    out = ["tcp"]
+    try:  # mori-backend-ucx, when installed and usable here
+        find_network_transport("ucx")
+        out.append("ucx")
+    except Exception:
+        pass
+    return out
+
+
+def _run(fn: Any, nranks: int, *args: Any, env: dict[str, str], before_init: Any = _two_nodes) -> list[Any]:
+    return shmem_ranks(
+        fn, nranks, *args, heap="8M", timeout=TIMEOUT, env={**BASE_ENV, **env}, before_init=before_init
+    )
+
+
+def _far(rank: int, nranks: int) -> int:
+    """The PE of the other node with the same index (rank 0 <-> 2, 1 <-> 3)."""
+    return (rank + 2) % nranks
+
+
+# -- the device API across nodes ----------------------------------------------------------------------
+
+
+def _device_api(rank: int, nranks: int) -> dict[str, Any]:
+    import torch
+
+    import mori.shmem as sh
+    from mori.shmem import device as shd
+    from mori.shmem.context import current
+
+    tk = _kernels()
+    ctx = shd.shmem_device_context()
+    net = current("test").network
+    assert net is not None
+    far = _far(rank, nranks)
+    near = rank ^ 1
+    assert ctx.tolist()[-1] == net.ring.device_addr != 0, "the context's last word is the ring"
+
+    # shmem_ptr_p2p: 0 for a PE of the other node, on the host and on the device
+    n = 3000  # int32 elements: several proxy pieces (MORI_SHMEM_PROXY_PIECE=4096)
+    buf = sh.shmem_malloc(4 * n)
+    assert sh.shmem_ptr_p2p(buf, rank, far) == 0 and sh.shmem_ptr_p2p(buf, rank, near) != 0
+    dst = sh.shmem_tensor_view(buf, (n,), torch.int32)
+    dst.zero_()
+    addrs = torch.zeros(nranks, dtype=torch.int64)
+    tk.ptr_p2p_kernel[(1,)](dst, addrs, ctx)
+    assert [a != 0 for a in addrs.tolist()] == [p // 2 == rank // 2 for p in range(nranks)], addrs
+    assert addrs[near] == sh.shmem_ptr_p2p(buf, rank, near)
+
+    # put (split into pieces), quiet, get back: the bytes, and the ring's counters after quiet
+    src = sh.shmem_tensor_view(sh.shmem_malloc(4 * n), (n,), torch.int32)
+    src.copy_(torch.arange(n, dtype=torch.int32) * 7 + rank)
+    back = torch.zeros(n, dtype=torch.int32)
+    sh.shmem_buffer_register(back.data_ptr(), back.numel() * 4)
+    counters = torch.zeros(2, dtype=torch.int64)
+    sh.shmem_barrier_all()
+    tk.put_quiet_get_kernel[(1,)](dst, src, back, counters, n, far, ctx, BLOCK=1024)
+    issued, completed = counters.tolist()
+    assert issued >= 1 and completed >= issued, counters  # quiet returned only once all were done
+    assert torch.equal(back, src), "get after quiet reads what the put wrote"
+    sh.shmem_barrier_all()
+    assert torch.equal(dst, torch.arange(n, dtype=torch.int32) * 7 + far), "the far PE's put arrived"
+
+    # put with signal; the target waits on its own signal word in a kernel
+    sig = sh.shmem_tensor_view(sh.shmem_malloc(8 * nranks), (nranks,), torch.int64)
+    sig.zero_()
+    dst.zero_()
+    sh.shmem_barrier_all()
+    src.copy_(torch.arange(n, dtype=torch.int32) - rank * 1000)
+    tk.put_signal_kernel[(1,)](dst, src, sig[rank:], n, 100 + rank, far, ctx, BLOCK=1024)
+    seen = torch.zeros(1, dtype=torch.int64)
+    tk.wait_kernel[(1,)](sig[far:], 100 + far, seen)
+    assert int(seen) == 100 + far
+    assert torch.equal(dst, torch.arange(n, dtype=torch.int32) - far * 1000), "data before the signal"
+    sh.shmem_barrier_all()
+
+    # atomics on PE 0's words from every PE (two of them are on the other node)
+    words = sh.shmem_tensor_view(sh.shmem_malloc(8 * 4), (4,), torch.int64)
+    word32 = sh.shmem_tensor_view(sh.shmem_malloc(8), (2,), torch.int32)
+    words.zero_()
+    word32.zero_()
+    sh.shmem_barrier_all()
+    out = torch.full((8,), -1, dtype=torch.int64)
+    tk.atomics_kernel[(1,)](words, word32, out, rank, 0, ctx)
+    sh.shmem_barrier_all()
+    if rank == 0:
+        assert words[0] == sum(1000 + r for r in range(nranks)), words
+        assert words[1] == nranks and words[2] == -7 and words[3] == 42, words
+        assert word32[0] == -3 and word32[1] == 0, word32
+    result = {"fetch_add": int(out[0])}
+    if rank == nranks - 1:  # PE 3, on the other node than PE 0
+        assert out[1:6].tolist() == [0, 5, 0, 42, -3], out
+        assert int(out[6]) >= 1000 + rank
+    sh.shmem_barrier_all()
+
+    # device barrier across nodes, three rounds
+    box = sh.shmem_tensor_view(sh.shmem_malloc(8 * nranks), (nranks,), torch.int64)
+    box.fill_(-1)
+    sh.shmem_barrier_all()
+    rounds = 3
+    seen_all = torch.zeros(rounds, nranks, dtype=torch.int64)
+    tk.barrier_kernel[(1,)](box, seen_all, ctx, ROUNDS=rounds)
+    want = torch.tensor([[r * 100 + p for p in range(nranks)] for r in range(rounds)], dtype=torch.int64)
+    assert torch.equal(seen_all, want), seen_all
+    sh.shmem_barrier_all()
+    sh.shmem_buffer_deregister(back.data_ptr(), back.numel() * 4)
+    result["transport"] = net.tp.name
+    return result
+
+
+@pytest.mark.parametrize("transport", _network_transports())
+def test_device_api_across_two_nodes(transport: str) -> None:
+    got = _run(_device_api, 4, env={"MORI_SHMEM_TRANSPORT": transport, "MORI_SHMEM_PROXY_PIECE": "4096"})
+    assert all(r["transport"] == transport for r in got)
+    # the fetch-adds on PE 0's word saw each earlier value once: 0, 1, 2, 3 in some order
+    assert sorted(r["fetch_add"] for r in got) == [0, 1, 2, 3]
+
+
+def _all_through_proxy(rank: int, nranks: int) -> None:
+    import torch
+
+    import mori.shmem as sh
+    from mori.shmem import device as shd
+
+    tk = _kernels()
+    ctx = shd.shmem_device_context()
+    buf = sh.shmem_malloc(64)
+    addrs = torch.full((nranks,), -1, dtype=torch.int64)
+    tk.ptr_p2p_kernel[(1,)](sh.shmem_tensor_view(buf, (16,), torch.int32), addrs, ctx)
+    # MORI_DISABLE_P2P: no peer is load/store reachable, on the host or the device, not even on this node
+    assert [sh.shmem_ptr_p2p(buf, rank, p) != 0 for p in range(nranks)] == [p == rank for p in range(nranks)]
+    assert [a != 0 for a in addrs.tolist()] == [p == rank for p in range(nranks)], addrs
+    words = sh.shmem_tensor_view(sh.shmem_malloc(32), (4,), torch.int64)
+    words.zero_()
+    word32 = sh.shmem_tensor_view(sh.shmem_malloc(8), (2,), torch.int32)
+    out = torch.zeros(8, dtype=torch.int64)
+    sh.shmem_barrier_all()
+    tk.atomics_kernel[(1,)](words, word32, out, rank, 0, ctx)
+    sh.shmem_barrier_all()
+    if rank == 0:
+        assert words[0] == sum(1000 + r for r in range(nranks)) and words[1] == nranks, words
+
+
+def test_disable_p2p_sends_every_peer_through_the_proxy() -> None:
+    _run(_all_through_proxy, 2, env={"MORI_DISABLE_P2P": "1"}, before_init=None)
+
+
+# -- the proxy's checks: a bad request is refused, never executed -------------------------------------
+
+
+def _bad_requests(rank: int, nranks: int, case: str) -> str:
+    import torch
+
+    import mori.shmem as sh
+    from mori.core.errors import MoriBackendError
+    from mori.shmem import device as shd
+
+    tk = _kernels()
+    ctx = shd.shmem_device_context()
+    heap = sh.shmem_heap_info()
+    dst = sh.shmem_tensor_view(sh.shmem_malloc(4096), (1024,), torch.int32)
+    src = sh.shmem_tensor_view(sh.shmem_malloc(4096), (1024,), torch.int32)
+    done = sh.shmem_malloc(8)
+    sh.shmem_tensor_view(done, (1,), torch.int64).zero_()
+    dst.fill_(11)
+    src.fill_(22)
+    sh.shmem_barrier_all()
+    message = ""
+    if rank == 0:
+        peer = 1
+        local = torch.zeros(1024, dtype=torch.int32)  # not symmetric, not registered
+        # the heap's last 64 bytes: a 4 KiB put from there would run past the end
+        tail = sh.shmem_tensor_view(heap["base"] + heap["size"] - 64, (16,), torch.int32)
+        if case == "pe":
+            tk.raw_put_kernel[(1,)](dst, src, 1024, nranks + 97, ctx, BLOCK=256)
+        elif case == "negative_pe":
+            tk.raw_put_kernel[(1,)](dst, src, 1024, -1, ctx, BLOCK=256)
+        elif case == "outside_heap":
+            tk.raw_put_kernel[(1,)](local, src, 1024, peer, ctx, BLOCK=256)
+        elif case == "past_heap_end":
+            tk.raw_put_kernel[(1,)](tail, src, 1024, peer, ctx, BLOCK=256)
+        elif case == "unregistered_source":
+            tk.raw_put_kernel[(1,)](dst, local, 1024, peer, ctx, BLOCK=256)
+        tk.raw_put_kernel[(1,)](dst, src, 1024, peer, ctx, BLOCK=256)  # a good put after: never runs
+        try:
+            sh.shmem_quiet()
+        except MoriBackendError as e:
+            message = str(e)
+        with pytest.raises(MoriBackendError, match="refused"):  # the failure stays
+            sh.shmem_fence()
+        sh.shmem_atomic_set(done, 1, peer)  # host atomics do not go through the proxy
+    else:
+        sh.shmem_wait_until(done, sh.SHMEM_CMP_EQ, 1)
+        # nothing arrived: the refused put never ran, nor the good one queued after it
+        assert bool((dst == 11).all()), dst
+    return message
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("pe", r"PE 99 is not in \[0, 2\)"),
+        ("negative_pe", r"PE -1 is not in \[0, 2\)"),
+        ("outside_heap", r"destination \[0x[0-9a-f]+, \+4096\) is outside the symmetric heap"),
+        ("past_heap_end", r"destination \[0x[0-9a-f]+, \+4096\) is outside the symmetric heap"),
+        ("unregistered_source", r"source .* is neither in the symmetric heap nor in a buffer registered"),
+    ],
+)
+def test_proxy_refuses_bad_requests(case: str, words: str) -> None:
+    got = _run(_bad_requests, 2, case, env={"MORI_SHMEM_TRANSPORT": "tcp"}, before_init=_node_per_rank)
+    assert re.search(r"shmem_quiet: proxy of PE 0: request #\d+ \(put to PE -?\d+\) refused: " + words, got[0]), got[0]
