@@ -107,3 +107,9 @@ def many_adds_kernel(word_ptr, count, pe, ctx_ptr):
     while i <= count:
         shd.atomic_add(word_ptr, i, pe, ctx_ptr)
         i += 1
+
+
+@triton.jit
+def quiet_kernel(ctx_ptr):
+    # wait until this PE's proxy completed everything issued before (or failed)
+    shd.quiet(ctx_ptr)

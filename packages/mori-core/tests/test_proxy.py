@@ -261,3 +261,202 @@ def _bad_requests(rank: int, nranks: int, case: str) -> str:
 def test_proxy_refuses_bad_requests(case: str, words: str) -> None:
     got = _run(_bad_requests, 2, case, env={"MORI_SHMEM_TRANSPORT": "tcp"}, before_init=_node_per_rank)
     assert re.search(r"shmem_quiet: proxy of PE 0: request #\d+ \(put to PE -?\d+\) refused: " + words, got[0]), got[0]
+
+
+# -- bounds: a full ring makes producers wait; a stopped proxy turns into an error -------------------
+
+
+def _ring_words(net: Any, first: int, count: int) -> list[int]:
+    import ctypes
+
+    return list((ctypes.c_int64 * count).from_address(net.ring.host_addr + first))
+
+
+def _full_ring(rank: int, nranks: int) -> int:
+    import torch
+
+    import mori.shmem as sh
+    from mori.shmem import device as shd
+    from mori.shmem import layout
+    from mori.shmem.context import current
+
+    tk = _kernels()
+    ctx = shd.shmem_device_context()
+    word = sh.shmem_tensor_view(sh.shmem_malloc(8), (1,), torch.int64)
+    word.zero_()
+    sh.shmem_barrier_all()
+    if rank == 0:
+        net = current("test").network
+        assert net is not None
+        net.proxy.set_paused(True)  # the proxy takes nothing: the 4-slot ring fills up
+        kernel = threading.Thread(target=lambda: tk.many_adds_kernel[(1,)](word, 10, 1, ctx))
+        kernel.start()
+        deadline = time.monotonic() + 60
+        while net.proxy.head < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        # tickets 0-3 fill the slots, ticket 4 is reserved and waits: nothing more, nothing overwritten
+        assert net.proxy.head == 5 and net.proxy.completed == 0 and kernel.is_alive()
+        slot = layout.RING_SLOTS
+        seqs = [_ring_words(net, slot + i * layout.RING_SLOT_BYTES, 1)[0] for i in range(4)]
+        values = [_ring_words(net, slot + i * layout.RING_SLOT_BYTES + 8 * layout.W_VALUE, 1)[0] for i in range(4)]
+        assert seqs == [1, 2, 3, 4] and values == [1, 2, 3, 4], (seqs, values)
+        net.proxy.set_paused(False)
+        kernel.join(60)
+        assert not kernel.is_alive()
+        sh.shmem_quiet()
+        assert net.proxy.completed == 10
+    sh.shmem_barrier_all()
+    return int(word[0])
+
+
+def test_a_full_ring_makes_the_device_wait() -> None:
+    got = _run(_full_ring, 2, env={"MORI_SHMEM_PROXY_SLOTS": "4"}, before_init=_node_per_rank)
+    assert got[1] == sum(range(1, 11)), got  # all ten adds arrived, once each
+
+
+def _host_gives_up(rank: int, nranks: int) -> str:
+    import mori.shmem as sh
+    from mori.core.errors import MoriBackendError, MoriTimeoutError
+    from mori.shmem import layout
+    from mori.shmem.context import current
+
+    word = sh.shmem_malloc(8)
+    sh.shmem_barrier_all()
+    message = ""
+    if rank == 0:
+        net = current("test").network
+        assert net is not None
+        net.proxy.set_paused(True)
+        for i in range(4):  # fills the ring
+            net.proxy.submit(layout.OP_AMO, 1, dst=word, amo=2, word=2, value=1, timeout_s=5)
+        start = time.monotonic()
+        with pytest.raises(MoriTimeoutError, match=r"the ring stayed full for 0\.5"):
+            net.proxy.submit(layout.OP_AMO, 1, dst=word, amo=2, word=2, value=1, timeout_s=0.5)
+        assert 0.4 < time.monotonic() - start < 5
+        with pytest.raises(MoriBackendError, match=r"request #4, atomic to PE 1 gave up") as e:
+            sh.shmem_quiet()
+        message = str(e.value)
+    return message
+
+
+def test_a_producer_that_gives_up_on_a_full_ring_fails_loudly() -> None:
+    got = _run(_host_gives_up, 2, env={"MORI_SHMEM_PROXY_SLOTS": "4"}, before_init=_node_per_rank)
+    assert got[0].startswith("shmem_quiet: proxy of PE 0"), got[0]
+
+
+def _stopped_proxy(rank: int, nranks: int) -> None:
+    import torch
+
+    import mori.shmem as sh
+    from mori.core.errors import MoriBackendError
+    from mori.shmem import device as shd
+    from mori.shmem.context import current
+
+    tk = _kernels()
+    ctx = shd.shmem_device_context()
+    word = sh.shmem_tensor_view(sh.shmem_malloc(8), (1,), torch.int64)
+    word.zero_()
+    sh.shmem_barrier_all()
+    if rank == 0:
+        net = current("test").network
+        assert net is not None
+        net.proxy.stop()
+        assert not net.proxy.running
+        # the kernel queues three adds and quiets: with no proxy it must return, not hang
+        tk.many_adds_kernel[(1,)](word, 3, 1, ctx)
+        tk.quiet_kernel[(1,)](ctx)
+        with pytest.raises(MoriBackendError, match="proxy of PE 0: not running"):
+            sh.shmem_quiet()
+        sh.shmem_atomic_set(word.data_ptr(), 7, 1)  # tell PE 1 (host atomics: no proxy)
+    else:
+        sh.shmem_wait_until(word.data_ptr(), sh.SHMEM_CMP_EQ, 7)
+        assert int(word[0]) == 7  # none of the three adds ran
+
+
+def test_a_stopped_proxy_does_not_hang_the_device() -> None:
+    _run(_stopped_proxy, 2, env={}, before_init=_node_per_rank)
+
+
+def test_ring_layout_matches_the_native_proxy() -> None:
+    from mori.core import _core
+    from mori.shmem import layout
+
+    for name, value in _core.PROXY_LAYOUT.items():
+        ours = name if name.startswith(("W_", "OP_", "FLAG_")) else f"RING_{name}"
+        assert getattr(layout, ours) == value, name
+    assert _core.Proxy.ring_size(4) == layout.RING_SLOTS + 4 * layout.RING_SLOT_BYTES
+
+
+# -- on one GPU: two PEs that share it, every peer through the proxy ---------------------------------
+
+
+def _gpu_through_proxy(rank: int, nranks: int) -> None:
+    import torch
+
+    import mori.shmem as sh
+    from mori.shmem import device as shd
+
+    tk = _kernels()
+    ctx = shd.shmem_device_context()
+    peer = 1 - rank
+    n = 4096
+    dst = sh.mori_shmem_create_tensor((n,), torch.int32)
+    src = sh.mori_shmem_create_tensor((n,), torch.int32)
+    sig = sh.mori_shmem_create_tensor((nranks,), torch.int64)
+    dst.zero_()
+    sig.zero_()
+    src.copy_(torch.arange(n, dtype=torch.int32, device=src.device) + 1000 * rank)
+    torch.cuda.synchronize()
+    sh.shmem_barrier_all()
+    tk.put_signal_kernel[(1,)](dst, src, sig[rank:], n, 5 + rank, peer, ctx, BLOCK=1024)
+    seen = torch.zeros(1, dtype=torch.int64, device=dst.device)
+    tk.wait_kernel[(1,)](sig[peer:], 5 + peer, seen)
+    torch.cuda.synchronize()
+    assert int(seen) == 5 + peer
+    assert torch.equal(dst.cpu(), torch.arange(n, dtype=torch.int32) + 1000 * peer)
+    words = sh.mori_shmem_create_tensor((4,), torch.int64)
+    word32 = sh.mori_shmem_create_tensor((2,), torch.int32)
+    words.zero_()
+    word32.zero_()
+    torch.cuda.synchronize()
+    sh.shmem_barrier_all()
+    out = torch.zeros(8, dtype=torch.int64, device=dst.device)
+    tk.atomics_kernel[(1,)](words, word32, out, rank, 0, ctx)
+    torch.cuda.synchronize()
+    sh.shmem_barrier_all()
+    if rank == 0:
+        assert int(words[0]) == 2001 and int(words[1]) == 2, words
+
+
+def _gpu_transport() -> str | None:
+    """The network transport that moves CUDA memory here, if any (tcp moves host memory only)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        from mori.core.transport import CAP_CUDA_MEMORY, find_network_transport, open_transport
+
+        t = find_network_transport("ucx")
+        return "ucx" if open_transport(t.ops(), t.options()).caps & CAP_CUDA_MEMORY else None
+    except Exception:
+        return None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_gpu_transport() is None, reason="needs an NVIDIA GPU and a transport that moves CUDA memory (ucx)")
+def test_device_api_through_the_proxy_on_one_gpu() -> None:
+    shmem_ranks(
+        _gpu_through_proxy,
+        2,
+        heap="64M",
+        timeout=TIMEOUT,
+        env={
+            "TRITON_INTERPRET": "0",
+            "CUDA_MODULE_LOADING": "EAGER",
+            "MORI_DEVICE_RUNTIME": "cuda",
+            "MORI_DISABLE_P2P": "1",
+            "MORI_SHMEM_TRANSPORT": "ucx",
+        },
+    )
