@@ -6,9 +6,26 @@ stores cannot reach (the proxy serves it). Loaded by path after TRITON_INTERPRET
 import triton
 import triton.language as tl
 
+from mori.core.kernels import aot
 from mori.shmem import device as shd
 
+# every kernel lists an ahead-of-time variant, so tools/compile_kernels.py proves the proxy path of
+# the device API compiles for every GPU target too
+_CTX = {"ctx_ptr": "*i64"}
 
+
+@aot(
+    signature={
+        "dst_ptr": "*i32",
+        "src_ptr": "*i32",
+        "back_ptr": "*i32",
+        "out_ptr": "*i64",
+        "n": "i32",
+        "peer": "i32",
+        **_CTX,
+    },
+    constexprs={"BLOCK": 1024},
+)
 @triton.jit
 def put_quiet_get_kernel(
     # symmetric destination, local source, local buffer the get fills (all int32)
@@ -31,18 +48,41 @@ def put_quiet_get_kernel(
     shd.getmem_block(back_ptr, dst_ptr, n, peer, ctx_ptr, BLOCK)
 
 
+@aot(
+    signature={
+        "dst_ptr": "*i32",
+        "src_ptr": "*i32",
+        "sig_ptr": "*i64",
+        "n": "i32",
+        "signal": "i32",
+        "peer": "i32",
+        **_CTX,
+    },
+    constexprs={"BLOCK": 1024},
+)
 @triton.jit
 def put_signal_kernel(dst_ptr, src_ptr, sig_ptr, n, signal, peer, ctx_ptr, BLOCK: tl.constexpr):
     # put n elements, then set the peer's signal word once they are there
     shd.put_signal_block(dst_ptr, src_ptr, sig_ptr, n, signal, peer, ctx_ptr, shd.SIGNAL_SET, BLOCK)
 
 
+@aot(signature={"sig_ptr": "*i64", "value": "i32", "out_ptr": "*i64"})
 @triton.jit
 def wait_kernel(sig_ptr, value, out_ptr):
     # wait on this PE's own signal word (written by a peer's proxy), report what was seen
     tl.store(out_ptr, shd.wait_until(sig_ptr, shd.SHMEM_CMP_EQ, value))
 
 
+@aot(
+    signature={
+        "words_ptr": "*i64",
+        "word32_ptr": "*i32",
+        "out_ptr": "*i64",
+        "me": "i32",
+        "target": "i32",
+        **_CTX,
+    }
+)
 @triton.jit
 def atomics_kernel(
     # symmetric int64 words [4] of PE `target`, int32 word [1], local results int64 [8]
@@ -66,6 +106,7 @@ def atomics_kernel(
         tl.store(out_ptr + 6, shd.atomic_fetch(words_ptr, target, ctx_ptr))
 
 
+@aot(signature={"box_ptr": "*i64", "seen_ptr": "*i64", **_CTX}, constexprs={"ROUNDS": 3})
 @triton.jit
 def barrier_kernel(box_ptr, seen_ptr, ctx_ptr, ROUNDS: tl.constexpr):
     # each round: write round*100+me into my mailbox word of every PE, barrier, record my mailbox
@@ -84,6 +125,7 @@ def barrier_kernel(box_ptr, seen_ptr, ctx_ptr, ROUNDS: tl.constexpr):
         shd.barrier_all(ctx_ptr)
 
 
+@aot(signature={"buf_ptr": "*i32", "out_ptr": "*i64", **_CTX})
 @triton.jit
 def ptr_p2p_kernel(buf_ptr, out_ptr, ctx_ptr):
     # out[p] = address of PE p's copy of buf as this PE sees it (0 when not load/store reachable)
@@ -94,12 +136,17 @@ def ptr_p2p_kernel(buf_ptr, out_ptr, ctx_ptr):
         p += 1
 
 
+@aot(
+    signature={"dst_ptr": "*i32", "src_ptr": "*i32", "n": "i32", "pe": "i32", **_CTX},
+    constexprs={"BLOCK": 256},
+)
 @triton.jit
 def raw_put_kernel(dst_ptr, src_ptr, n, pe, ctx_ptr, BLOCK: tl.constexpr):
     # a put to any PE number, any address: what an attacker's (or a buggy) kernel can write
     shd.putmem_block(dst_ptr, src_ptr, n, pe, ctx_ptr, BLOCK)
 
 
+@aot(signature={"word_ptr": "*i64", "count": "i32", "pe": "i32", **_CTX})
 @triton.jit
 def many_adds_kernel(word_ptr, count, pe, ctx_ptr):
     # count non-fetching atomic adds of 1, 2, ..., count to one word of PE pe
@@ -109,6 +156,7 @@ def many_adds_kernel(word_ptr, count, pe, ctx_ptr):
         i += 1
 
 
+@aot(signature=_CTX)
 @triton.jit
 def quiet_kernel(ctx_ptr):
     # wait until this PE's proxy completed everything issued before (or failed)

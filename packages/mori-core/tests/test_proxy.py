@@ -260,7 +260,9 @@ def _bad_requests(rank: int, nranks: int, case: str) -> str:
 )
 def test_proxy_refuses_bad_requests(case: str, words: str) -> None:
     got = _run(_bad_requests, 2, case, env={"MORI_SHMEM_TRANSPORT": "tcp"}, before_init=_node_per_rank)
-    assert re.search(r"shmem_quiet: proxy of PE 0: request #\d+ \(put to PE -?\d+\) refused: " + words, got[0]), got[0]
+    assert re.search(
+        r"shmem_quiet: proxy of PE 0: request #\d+ \(put to PE -?\d+\) refused: " + words, got[0]
+    ), got[0]
 
 
 # -- bounds: a full ring makes producers wait; a stopped proxy turns into an error -------------------
@@ -299,7 +301,9 @@ def _full_ring(rank: int, nranks: int) -> int:
         assert net.proxy.head == 5 and net.proxy.completed == 0 and kernel.is_alive()
         slot = layout.RING_SLOTS
         seqs = [_ring_words(net, slot + i * layout.RING_SLOT_BYTES, 1)[0] for i in range(4)]
-        values = [_ring_words(net, slot + i * layout.RING_SLOT_BYTES + 8 * layout.W_VALUE, 1)[0] for i in range(4)]
+        values = [
+            _ring_words(net, slot + i * layout.RING_SLOT_BYTES + 8 * layout.W_VALUE, 1)[0] for i in range(4)
+        ]
         assert seqs == [1, 2, 3, 4] and values == [1, 2, 3, 4], (seqs, values)
         net.proxy.set_paused(False)
         kernel.join(60)
@@ -445,7 +449,9 @@ def _gpu_transport() -> str | None:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(_gpu_transport() is None, reason="needs an NVIDIA GPU and a transport that moves CUDA memory (ucx)")
+@pytest.mark.skipif(
+    _gpu_transport() is None, reason="needs an NVIDIA GPU and a transport that moves CUDA memory (ucx)"
+)
 def test_device_api_through_the_proxy_on_one_gpu() -> None:
     shmem_ranks(
         _gpu_through_proxy,

@@ -267,8 +267,14 @@ def ptr_p2p(ptr, pe, ctx_ptr):
     reachable (another node: use the put/get/atomic functions, which go through the proxy) or out
     of range.
     """
-    null = tl.cast(0, tl.int64).to(ptr.dtype)
-    return tl.where(_heap_base(pe, ctx_ptr) != 0, _translate(ptr, pe, ctx_ptr), null)
+    peer = _heap_base(pe, ctx_ptr)
+    delta = tl.multiple_of(peer - _heap_base(my_pe(ctx_ptr), ctx_ptr), _BASE_ALIGN_C)
+    ELEM_BYTES: tl.constexpr = (ptr.dtype.element_ty.primitive_bitwidth + 7) // 8
+    # Unreachable: move the pointer by minus its own address, to 0. The choice is made on the
+    # offset, not between two pointers (a select of pointers breaks AMD's pointer canonicalisation);
+    # the pointer of a symmetric object is element-aligned, so the division is exact.
+    off = tl.where(peer != 0, delta // ELEM_BYTES, -(ptr.to(tl.int64, bitcast=True) // ELEM_BYTES))
+    return ptr + off
 
 
 # -- the proxy ------------------------------------------------------------------------------------
@@ -313,8 +319,10 @@ def _address(ptr):
 def _word_code(ptr):
     # the transport's word type of ptr's element: int32 0, uint32 1, int64 2, uint64 3
     ty: tl.constexpr = ptr.dtype.element_ty
-    tl.static_assert(ty.is_int() & ((ty.primitive_bitwidth == 32) | (ty.primitive_bitwidth == 64)),
-                     "atomics and signals take int32, uint32, int64 or uint64 words")
+    tl.static_assert(
+        ty.is_int() & ((ty.primitive_bitwidth == 32) | (ty.primitive_bitwidth == 64)),
+        "atomics and signals take int32, uint32, int64 or uint64 words",
+    )
     CODE: tl.constexpr = (ty.primitive_bitwidth // 32 - 1) * 2 + ty.is_int_unsigned()
     return CODE
 
@@ -374,8 +382,18 @@ def _proxy_request(
 def _proxy_atomic(ptr, amo, value, compare, pe, ctx_ptr, REPLY: tl.constexpr):
     # an atomic on the word at ptr on PE pe through the proxy; returns the old value (REPLY)
     old = _proxy_request(
-        _ring(ctx_ptr), _OP_AMO, pe, _address(ptr), 0, 0, amo, _word_code(ptr),
-        tl.cast(value, ptr.dtype.element_ty), tl.cast(compare, ptr.dtype.element_ty), 0, REPLY,
+        _ring(ctx_ptr),
+        _OP_AMO,
+        pe,
+        _address(ptr),
+        0,
+        0,
+        amo,
+        _word_code(ptr),
+        tl.cast(value, ptr.dtype.element_ty),
+        tl.cast(compare, ptr.dtype.element_ty),
+        0,
+        REPLY,
     )
     return tl.cast(old, ptr.dtype.element_ty)
 
@@ -437,8 +455,18 @@ def putmem_block(
     if _heap_base(pe, ctx_ptr) == 0:
         ELEM_BYTES: tl.constexpr = (dst_ptr.dtype.element_ty.primitive_bitwidth + 7) // 8
         _proxy_request(
-            _ring(ctx_ptr), _OP_PUT, pe, _address(dst_ptr), _address(src_ptr), n_elems * ELEM_BYTES,
-            0, 0, 0, 0, 0, False,
+            _ring(ctx_ptr),
+            _OP_PUT,
+            pe,
+            _address(dst_ptr),
+            _address(src_ptr),
+            n_elems * ELEM_BYTES,
+            0,
+            0,
+            0,
+            0,
+            0,
+            False,
         )
     else:
         _copy_block(_translate(dst_ptr, pe, ctx_ptr), src_ptr, n_elems, BLOCK)
@@ -467,8 +495,18 @@ def getmem_block(
     if _heap_base(pe, ctx_ptr) == 0:
         ELEM_BYTES: tl.constexpr = (dst_ptr.dtype.element_ty.primitive_bitwidth + 7) // 8
         _proxy_request(
-            _ring(ctx_ptr), _OP_GET, pe, _address(dst_ptr), _address(src_ptr), n_elems * ELEM_BYTES,
-            0, 0, 0, 0, 0, True,
+            _ring(ctx_ptr),
+            _OP_GET,
+            pe,
+            _address(dst_ptr),
+            _address(src_ptr),
+            n_elems * ELEM_BYTES,
+            0,
+            0,
+            0,
+            0,
+            0,
+            True,
         )
     else:
         _copy_block(dst_ptr, _translate(src_ptr, pe, ctx_ptr), n_elems, BLOCK)
@@ -528,9 +566,18 @@ def put_signal_block(
         # one request: the proxy puts, fences, then updates the signal
         ELEM_BYTES: tl.constexpr = (dst_ptr.dtype.element_ty.primitive_bitwidth + 7) // 8
         _proxy_request(
-            _ring(ctx_ptr), _OP_PUT_SIGNAL, pe, _address(dst_ptr), _address(src_ptr), n_elems * ELEM_BYTES,
-            _TP_SET if SIG_OP == SIGNAL_SET else _TP_ADD, _word_code(sig_ptr),
-            tl.cast(signal, sig_ptr.dtype.element_ty), 0, _address(sig_ptr), False,
+            _ring(ctx_ptr),
+            _OP_PUT_SIGNAL,
+            pe,
+            _address(dst_ptr),
+            _address(src_ptr),
+            n_elems * ELEM_BYTES,
+            _TP_SET if SIG_OP == SIGNAL_SET else _TP_ADD,
+            _word_code(sig_ptr),
+            tl.cast(signal, sig_ptr.dtype.element_ty),
+            0,
+            _address(sig_ptr),
+            False,
         )
     else:
         putmem_block(dst_ptr, src_ptr, n_elems, pe, ctx_ptr, BLOCK)
