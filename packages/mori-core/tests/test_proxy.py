@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("triton", reason="the device API needs Triton (pip install mori-core[triton])")
 
-from mori.testing import RankError, shmem_ranks
+from mori.testing import shmem_ranks
 
 TIMEOUT = 150.0  # a device wait has no timeout: a broken proxy would hang the ranks
 BASE_ENV = {"TRITON_INTERPRET": "1", "MORI_BOOTSTRAP_TIMEOUT": "60"}
@@ -332,7 +332,7 @@ def _host_gives_up(rank: int, nranks: int) -> str:
         net = current("test").network
         assert net is not None
         net.proxy.set_paused(True)
-        for i in range(4):  # fills the ring
+        for _ in range(4):  # fills the ring
             net.proxy.submit(layout.OP_AMO, 1, dst=word, amo=2, word=2, value=1, timeout_s=5)
         start = time.monotonic()
         with pytest.raises(MoriTimeoutError, match=r"the ring stayed full for 0\.5"):

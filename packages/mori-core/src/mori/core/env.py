@@ -131,6 +131,8 @@ MORI_SHMEM_TRANSPORT = EnvVar(
     "tcp",
     str,
 )
+
+
 def parse_ring_slots(text: str) -> int:
     value = int(text)
     if value < 4 or value > 1 << 20 or value & (value - 1):

@@ -39,7 +39,21 @@ RING_SLOT_COUNT = 192
 #: first slot; each is RING_SLOT_BYTES long, its words numbered W_*
 RING_SLOTS = 256
 RING_SLOT_BYTES = 128
-W_SEQ, W_OP, W_PE, W_FLAGS, W_AMO, W_WORD, W_DST, W_SRC, W_NBYTES, W_VALUE, W_COMPARE, W_SIG_ADDR, W_RESULT = range(13)
+(
+    W_SEQ,
+    W_OP,
+    W_PE,
+    W_FLAGS,
+    W_AMO,
+    W_WORD,
+    W_DST,
+    W_SRC,
+    W_NBYTES,
+    W_VALUE,
+    W_COMPARE,
+    W_SIG_ADDR,
+    W_RESULT,
+) = range(13)
 #: request operations
 OP_PUT, OP_GET, OP_AMO, OP_PUT_SIGNAL, OP_FENCE = range(1, 6)
 #: W_FLAGS bit: the producer waits for the result (slot kept until it read it)
