@@ -466,3 +466,59 @@ def test_device_api_through_the_proxy_on_one_gpu() -> None:
             "MORI_SHMEM_TRANSPORT": "ucx",
         },
     )
+
+
+# -- the native proxy alone, in one process: two tcp instances over loopback -------------------------
+
+
+def test_proxy_alone_host_requests_replies_and_a_transport_failure() -> None:
+    import torch
+
+    from mori.core import _core
+    from mori.core.errors import MoriBackendError
+    from mori.core.transport import OP_ADD, WORD_INT64, find_network_transport, open_transport
+    from mori.shmem import layout
+
+    tcp = find_network_transport("tcp")
+    mine, theirs = open_transport(tcp.ops(), tcp.options()), open_transport(tcp.ops(), tcp.options())
+    heap = torch.zeros(1 << 16, dtype=torch.uint8)
+    peer_heap = torch.zeros(4096, dtype=torch.uint8)  # the peer registered less than this PE's heap
+    heap_mem = mine.register(heap.data_ptr(), heap.numel())
+    peer_mem = theirs.register(peer_heap.data_ptr(), peer_heap.numel())
+    ep = mine.connect(theirs.address())
+    nslots = 4
+    ring = torch.zeros(_core.Proxy.ring_size(nslots) + 64, dtype=torch.uint8)
+    ring_addr = (ring.data_ptr() + 63) // 64 * 64
+    base = heap.data_ptr()
+    proxy = _core.Proxy(
+        mine, 0, 2, base, heap.numel(), heap_mem, ring_addr, _core.Proxy.ring_size(nslots), nslots, 64, 10.0
+    )
+    proxy.add_peer(1, ep, ep.unpack_rkey(peer_mem.rkey), peer_heap.data_ptr())
+    proxy.start()
+    try:
+        heap[:200] = torch.arange(200, dtype=torch.uint8)
+        proxy.submit(layout.OP_PUT, 1, dst=base, src=base, nbytes=200)  # 4 pieces of 64 bytes
+        proxy.quiet(10)
+        assert torch.equal(peer_heap[:200], heap[:200]) and int(peer_heap[200]) == 0
+        olds = [
+            proxy.submit(layout.OP_AMO, 1, dst=base + 1024, amo=OP_ADD, word=WORD_INT64, value=5, reply=True)[
+                1
+            ]
+            for _ in range(6)
+        ]
+        assert olds == [0, 5, 10, 15, 20, 25]  # more replies than slots: each slot freed after its reply
+        assert proxy.completed == proxy.head == 7  # one ticket per request, not per piece
+        # inside this PE's heap (the proxy's check passes), outside the peer's registration: the
+        # transport fails the request, and the failure names the request and its PE
+        proxy.submit(layout.OP_PUT, 1, dst=base + 8192, src=base, nbytes=64)
+        with pytest.raises(
+            MoriBackendError,
+            match=r"proxy of PE 0: request #7 \(put to PE 1\): tcp put failed: remote range .* is outside the peer.s registered memory",
+        ):
+            proxy.quiet(10)
+        assert proxy.error_code == layout.RING_ERR_TRANSPORT
+        with pytest.raises(MoriBackendError, match="request #7"):  # it stays, and nothing more runs
+            proxy.submit(layout.OP_PUT, 1, dst=base, src=base, nbytes=8)
+    finally:
+        proxy.stop()
+    assert not proxy.running
