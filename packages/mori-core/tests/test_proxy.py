@@ -522,3 +522,45 @@ def test_proxy_alone_host_requests_replies_and_a_transport_failure() -> None:
     finally:
         proxy.stop()
     assert not proxy.running
+
+
+# -- the ready-made kernels (mori.shmem.kernels) across nodes -----------------------------------------
+
+
+def _library_kernels(rank: int, nranks: int) -> None:
+    import torch
+
+    import mori.shmem as sh
+    from mori.core.errors import MoriValueError
+    from mori.shmem import kernels as K
+
+    far = _far(rank, nranks)
+    n = 5000  # int16 after the host's word pick: several programs, several pieces
+    dst = sh.mori_shmem_create_tensor((n,), torch.int16)
+    src = sh.mori_shmem_create_tensor((n,), torch.int16)
+    sig = sh.mori_shmem_create_tensor((nranks,), torch.int64)
+    dst.zero_()
+    sig.zero_()
+    src.copy_(torch.arange(n, dtype=torch.int16) + rank)
+    sh.shmem_barrier_all()
+    K.put(dst, src, far, block=256, max_programs=4)
+    K.barrier()  # the device barrier, across nodes
+    assert torch.equal(dst, torch.arange(n, dtype=torch.int16) + far), "put, then the device barrier"
+    back = sh.mori_shmem_create_tensor((n,), torch.int16)
+    K.get(back, dst, far, block=256, max_programs=4)
+    assert torch.equal(back, src), "get reads what this PE put there"
+    sh.shmem_barrier_all()  # every get is done before anyone clears dst
+    dst.zero_()
+    sh.shmem_barrier_all()
+    K.put_signal(dst, src, sig[rank : rank + 1], 77, sh.SIGNAL_ADD, far, block=256, max_programs=4)
+    sh.shmem_wait_until(sig[far : far + 1].data_ptr(), sh.SHMEM_CMP_EQ, 77)
+    assert torch.equal(dst, torch.arange(n, dtype=torch.int16) + far), "the signal came after the data"
+    with pytest.raises(
+        MoriValueError, match="src=.* neither symmetric heap memory nor inside a buffer registered"
+    ):
+        K.put(dst, torch.ones(n, dtype=torch.int16), far)  # the proxy could not read it: refused up front
+    sh.shmem_barrier_all()
+
+
+def test_library_kernels_across_two_nodes() -> None:
+    _run(_library_kernels, 4, env={"MORI_SHMEM_TRANSPORT": "tcp", "MORI_SHMEM_PROXY_PIECE": "4096"})
