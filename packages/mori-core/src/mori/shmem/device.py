@@ -263,18 +263,23 @@ def ptr_p2p(ptr, pe, ctx_ptr):
 
     ``ptr``: a pointer (or a block of pointers) into this PE's heap; the result has the same type
     and shape. Heaps are symmetric, so the translation adds ``base_pe - base_me`` bytes. The result
-    is a null pointer (address 0, as the original's ``ShmemPtrP2p``) if ``pe`` is not load/store
-    reachable (another node: use the put/get/atomic functions, which go through the proxy) or out
-    of range.
+    is null if ``pe`` is not load/store reachable (another node: use the put/get/atomic functions,
+    which go through the proxy) or out of range: address 0 when ``ptr`` is 16-byte aligned (every
+    ``shmem_malloc`` block is), as the original's ``ShmemPtrP2p``, else ``ptr % 16``, inside the
+    never-mapped first page.
     """
     peer = _heap_base(pe, ctx_ptr)
-    delta = tl.multiple_of(peer - _heap_base(my_pe(ctx_ptr), ctx_ptr), _BASE_ALIGN_C)
     ELEM_BYTES: tl.constexpr = (ptr.dtype.element_ty.primitive_bitwidth + 7) // 8
-    # Unreachable: move the pointer by minus its own address, to 0. The choice is made on the
-    # offset, not between two pointers (a select of pointers breaks AMD's pointer canonicalisation);
-    # the pointer of a symmetric object is element-aligned, so the division is exact.
-    off = tl.where(peer != 0, delta // ELEM_BYTES, -(ptr.to(tl.int64, bitcast=True) // ELEM_BYTES))
-    return ptr + off
+    STEP: tl.constexpr = _BASE_ALIGN_C // ELEM_BYTES  # elements in 16 bytes (every element is <= 8 bytes)
+    # Reachable: move by the heaps' distance (a multiple of 16 bytes). Unreachable: move by minus
+    # the address rounded down to 16 bytes, which lands on address (ptr % 16): 0 for an aligned
+    # pointer, inside the never-mapped first page otherwise. Both offsets are whole 16-byte steps,
+    # so the hint below is true either way and accesses through the result stay vectorised; the
+    # choice is made on the offset, not between two pointers (a select of pointers breaks AMD's
+    # pointer canonicalisation).
+    delta = (peer - _heap_base(my_pe(ctx_ptr), ctx_ptr)) // ELEM_BYTES
+    to_null = -(ptr.to(tl.int64, bitcast=True) // _BASE_ALIGN_C) * STEP
+    return ptr + tl.multiple_of(tl.where(peer != 0, delta, to_null), STEP)
 
 
 # -- the proxy ------------------------------------------------------------------------------------
