@@ -564,3 +564,42 @@ def _library_kernels(rank: int, nranks: int) -> None:
 
 def test_library_kernels_across_two_nodes() -> None:
     _run(_library_kernels, 4, env={"MORI_SHMEM_TRANSPORT": "tcp", "MORI_SHMEM_PROXY_PIECE": "4096"})
+
+
+# -- the original's device functions (mori.ir.triton) across nodes ------------------------------------
+
+
+def _ir_ring(rank: int, nranks: int) -> None:
+    import torch
+
+    import mori.shmem as sh
+
+    k = _ir_kernels()
+    rounds, nbytes = 4, 1000  # the right neighbour of PEs 1 and 3 is on the other node
+    for signalled in (1, 0):  # putmem_nbi_signal_block; putmem_nbi_block, fence_thread, atomic add
+        rows = sh.mori_shmem_create_tensor((rounds + 1, nbytes), torch.uint8)
+        rows.zero_()
+        rows[0] = torch.full((nbytes,), rank + 1, dtype=torch.uint8)
+        sig = sh.mori_shmem_create_tensor((1,), torch.uint64)
+        sig.zero_()
+        sh.shmem_barrier_all()
+        k.ring_kernel[(1,)](rows, sig, nbytes, ROUNDS=rounds, SIGNALLED=signalled)
+        sh.shmem_barrier_all()
+        for r in range(rounds + 1):
+            assert bool((rows[r] == (rank - r) % nranks + 1).all()), f"row {r} (signalled={signalled})"
+        sh.shmem_barrier_all()
+
+
+def _ir_kernels() -> ModuleType:
+    name = "mori_test_ir_kernels"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_ir_kernels.py"))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_ir_device_functions_across_two_nodes() -> None:
+    _run(_ir_ring, 4, env={"MORI_SHMEM_TRANSPORT": "tcp"})
