@@ -556,7 +556,7 @@ def _library_kernels(rank: int, nranks: int) -> None:
     sh.shmem_wait_until(sig[far : far + 1].data_ptr(), sh.SHMEM_CMP_EQ, 77)
     assert torch.equal(dst, torch.arange(n, dtype=torch.int16) + far), "the signal came after the data"
     with pytest.raises(
-        MoriValueError, match="src=.* neither symmetric heap memory nor inside a buffer registered"
+        MoriValueError, match=r"src=.* neither symmetric heap memory nor inside a buffer registered"
     ):
         K.put(dst, torch.ones(n, dtype=torch.int16), far)  # the proxy could not read it: refused up front
     sh.shmem_barrier_all()
