@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 INTERPRET = {"MORI_DEVICE_RUNTIME": "cpu", "MORI_BOOTSTRAP_TIMEOUT": "60", "TRITON_INTERPRET": "1"}
 SMALL = 4096  # bytes: the 16 KiB call below takes the large protocol (reduce-scatter + all-gather)
 COUNT = 4096
-RSAG = ["wait_done", "stage", "ready", "reduce", "ready2", "pull", "finish"]
+RSAG = ["wait_done", "stage", "ready", "reduce", "ready2", "pull", "done"]
 
 
 def _traced_allreduce(rank: int, n: int, uid: UniqueId, out_dir: str) -> int:

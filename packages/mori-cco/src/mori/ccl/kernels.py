@@ -45,11 +45,12 @@ PHASE_WAIT_DONE, PHASE_READY, PHASE_FINISH = 0, 1, 2
 
 #: the protocol phases the kernels record when their TRACE constexpr is on (mori.viz): wait_done
 #: (the peers finished reading the last large call), stage (own input into the staging window),
-#: ready / ready2 (the LSA barriers), reduce / pull (reading the peers' copies), finish (DONE)
+#: ready / ready2 (the LSA barriers), reduce / pull (reading the peers' copies), done (arriving at
+#: DONE, the launch's last program)
 ALLREDUCE = declare_slots(
-    "ccl.allreduce", ["kernel", "wait_done", "stage", "ready", "reduce", "ready2", "pull", "finish"]
+    "ccl.allreduce", ["kernel", "wait_done", "stage", "ready", "reduce", "ready2", "pull", "done"]
 )
-GATHER = declare_slots("ccl.gather", ["kernel", "wait_done", "stage", "ready", "pull", "finish"])
+GATHER = declare_slots("ccl.gather", ["kernel", "wait_done", "stage", "ready", "pull", "done"])
 
 
 # -- device functions ---------------------------------------------------------------------------------
@@ -298,9 +299,9 @@ def allreduce_rsag_kernel(
         lo, count = _slice(r, k, n_elems, block_elems, per_program)
         _copy(out_ptr + lo, ccd.lsa_peer_ptr(stage_ptr + lo, win, r, devcomm), count, BLOCK)
         r += 1
-    tr = vd.next_span(tr, ALLREDUCE.finish)
+    tr = vd.next_span(tr, ALLREDUCE.done)
     _finish(devcomm, ticket_ptr, 2 * P)
-    tr = vd.end(tr, ALLREDUCE.finish)
+    tr = vd.end(tr, ALLREDUCE.done)
     tr = vd.end(tr, ALLREDUCE.kernel)
     vd.close_trace(tr)
 
@@ -364,9 +365,9 @@ def gather_kernel(
         p += 1
     tr = vd.end(tr, GATHER.pull)
     if LARGE:
-        tr = vd.begin(tr, GATHER.finish)
+        tr = vd.begin(tr, GATHER.done)
         _finish(devcomm, ticket_ptr, 2 * P)
-        tr = vd.end(tr, GATHER.finish)
+        tr = vd.end(tr, GATHER.done)
     tr = vd.end(tr, GATHER.kernel)
     vd.close_trace(tr)
 
