@@ -8,6 +8,7 @@ Each must exit 0 and print what every rank checked.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +18,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(argv: list[str], tmp_path: Path) -> str:
+def _run(argv: list[str], tmp_path: Path, heap: str | None = None) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MORI_", "TRITON_"))}
     env.update({"MORI_DEVICE_RUNTIME": "cpu", "MORI_BOOTSTRAP_TIMEOUT": "120", "OMP_NUM_THREADS": "1"})
+    if heap:
+        env["MORI_SHMEM_HEAP_SIZE"] = heap
     res = subprocess.run(
         argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False
     )
@@ -49,3 +52,15 @@ def test_ep_torchrun_example(tmp_path: Path) -> None:
 def test_shmem_ring_docs_example(tmp_path: Path) -> None:
     out = _run([sys.executable, str(ROOT / "docs" / "examples" / "shmem_ring.py")], tmp_path)
     assert sum(f"PE {pe}/4: received PE {(pe - 1) % 4}'s message" in out for pe in range(4)) == 4
+
+
+@pytest.mark.slow
+def test_the_readme_shmem_snippet_runs_under_torchrun(tmp_path: Path) -> None:
+    # the README's only Python block, as written, on 2 CPU ranks
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    assert len(blocks) == 1, f"expected one python block in the README, found {len(blocks)}"
+    script = tmp_path / "readme_snippet.py"
+    script.write_text(blocks[0] + 'print(f"rank {me}: done", flush=True)\n', encoding="utf-8")
+    out = _run(_torchrun(str(script)), tmp_path, heap="64M")
+    assert "rank 0: done" in out and "rank 1: done" in out
