@@ -151,3 +151,28 @@ def test_components_tables_list_every_installed_component_as_there(page: Path, a
         assert not re.match(r"(not implemented|placeholder|not yet|missing|planned)", state, re.IGNORECASE), (
             f"{page.relative_to(ROOT)}: installed {module} is described as {state!r}"
         )
+
+
+#: every public module has a reference page generated from its docstrings
+PUBLIC_MODULES = [
+    "mori.core",
+    "mori.shmem",
+    "mori.ep",
+    "mori.ops",
+    "mori.ep.deepep",
+    "mori.io",
+    "mori.cco",
+    "mori.ccl",
+    "mori.umbp",
+    "mori.viz",
+]
+
+
+@pytest.mark.parametrize("module", PUBLIC_MODULES)
+def test_every_public_module_has_an_api_reference(module: str) -> None:
+    text = "\n".join(p.read_text(encoding="utf-8") for p in _pages())
+    directive = re.compile(
+        rf"^\.\. (automodule|py:module|autoclass|autofunction):: {re.escape(module)}(\.[A-Z]\w*)?\s*$",
+        re.MULTILINE,
+    )
+    assert directive.search(text), f"no docs page documents {module} (automodule, py:module or autoclass)"
