@@ -284,10 +284,14 @@ class VendorReport:
         return [n for d in self.devices for n in d.port_names()]
 
     def warnings(self) -> list[str]:
+        """One line per firmware minimum some devices fall short of."""
+        by_min: dict[str, list[str]] = {}
+        for d, m in self.old_firmware:
+            by_min.setdefault(m, []).append(f"{d.name} ({d.fw_ver})")
         return [
-            f"{d.name}: firmware {d.fw_ver} is below {self.vendor.family}'s minimum {m} (upgrade it: older "
+            f"firmware below {self.vendor.family}'s minimum {m} on {', '.join(names)}: upgrade it (older "
             "firmware was not validated by MORI's original)"
-            for d, m in self.old_firmware
+            for m, names in by_min.items()
         ]
 
 
@@ -327,7 +331,7 @@ class VendorNicProvider(NicProvider):
             )
         listed = ", ".join(
             f"{d.name} ({v.model(d)}, fw {d.fw_ver or '?'}, "
-            + (", ".join(f"port {p.number} {p.state} {p.link_layer}" for p in d.ports) or "no ports")
+            + (", ".join(f"port {p.number} {p.state}" for p in d.ports) or "no ports")
             + ")"
             for d in r.devices
         )

@@ -194,4 +194,20 @@ def no_nic(root: Path) -> FakeSysfs:
     return fs
 
 
-__all__ = ["NICS", "FakeSysfs", "eight_gpus_eight_nics", "no_nic"]
+__all__ = [
+    "AMD",
+    "BROADCOM",
+    "CLASS_3D",
+    "CLASS_ACCEL",
+    "CLASS_BRIDGE",
+    "CLASS_ETH",
+    "CLASS_IB",
+    "INTEL",
+    "MELLANOX",
+    "NICS",
+    "NVIDIA",
+    "PENSANDO",
+    "FakeSysfs",
+    "eight_gpus_eight_nics",
+    "no_nic",
+]
