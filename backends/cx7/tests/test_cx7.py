@@ -55,3 +55,15 @@ def test_send_queue_cap_reaches_the_network_settings(tmp_path: Path, clean_env: 
     eight_gpus_eight_nics(tmp_path, family="mlx5")
     s = network_settings([VENDOR], tmp_path)
     assert s.max_send_wr is None and s.vendors == ("cx7",) and len(s.ports) == 8
+
+
+def test_mori_backends_lists_it_with_its_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    from mori.core import cli
+    from mori.core.plugins import reset_plugins
+
+    reset_plugins()
+    assert cli.main(["backends"]) == 0
+    line = next(s for s in capsys.readouterr().out.splitlines() if s.strip().startswith("cx7 "))
+    assert "mori-backend-cx7 0.1.0" in line
+    if not Path("/sys/class/infiniband").is_dir():
+        assert "unavailable" in line and "no mlx5 device in /sys/class/infiniband" in line
