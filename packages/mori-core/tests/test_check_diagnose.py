@@ -61,6 +61,7 @@ def test_check_on_this_machine_exits_zero_and_names_every_nic_plugin(
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "peers on this node: shm" in out and "peers on other nodes: tcp" in out
+    assert "components installed (each uses the heap and transports above): " in out
     if not Path("/sys/class/infiniband").is_dir():
         assert "no RDMA device" in out
         for name, fam in (("cx7", "mlx5"), ("thor2", "bnxt_re"), ("pollara", "ionic")):

@@ -134,6 +134,23 @@ def _backend_findings(report: CheckReport, plugins: Plugins) -> None:
         "peers on this node: " + (", ".join(load_store) if load_store else "no load/store transport usable"),
     )
     _network_findings(report, plugins)
+    # the feature packages stand on these same layers: name what is installed
+    from importlib import metadata
+
+    dists = sorted(
+        {
+            f"{d.metadata['Name']} {d.version}"
+            for d in metadata.distributions()
+            if (d.metadata["Name"] or "").startswith("mori-")
+            and not (d.metadata["Name"] or "").startswith(("mori-backend-", "mori-core", "mori-testing"))
+        }
+    )
+    report.add(
+        INFO,
+        "uses",
+        "components installed (each uses the heap and transports above): "
+        + (", ".join(dists) or "none but mori-core"),
+    )
 
 
 def _valid(var: env.EnvVar[Any]) -> bool:
