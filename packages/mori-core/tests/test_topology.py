@@ -65,6 +65,19 @@ def test_each_gpu_gets_its_own_closest_nic(tmp_path: Path) -> None:
     assert t.match_gpu_nics("0000:04:00.0")[0].name == "mlx5_1:1"  # by PCI address
 
 
+def test_numa_nics_for_host_memory(tmp_path: Path, clean_env: pytest.MonkeyPatch) -> None:
+    eight_gpus_eight_nics(tmp_path, inactive=(5,))
+    t = topology.scan(tmp_path)
+    assert [p.name for p in t.match_numa_nics(1, k=3)] == ["mlx5_4:1", "mlx5_6:1", "mlx5_7:1"]
+    assert [p.name for p in t.match_numa_nics(1, k=5)][3:] == ["mlx5_0:1", "mlx5_1:1"]  # then the other node
+    with pytest.raises(
+        MoriValueError, match=r"numa_node=3 is not allowed; expected a NUMA node of this machine \[0, 1\]"
+    ):
+        t.match_numa_nics(3)
+    clean_env.setenv("MORI_DISABLE_TOPO", "1")
+    assert [p.name for p in t.match_numa_nics(1, k=2)] == ["mlx5_1:1", "mlx5_2:1"]
+
+
 def test_inactive_ports_are_skipped(tmp_path: Path) -> None:
     eight_gpus_eight_nics(tmp_path, inactive=(3, 4, 5))
     t = topology.scan(tmp_path)

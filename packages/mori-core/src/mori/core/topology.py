@@ -253,6 +253,32 @@ class NodeTopology:
         ordered = tied[turn:] + tied[:turn] + [p for p in mine if p not in tied]
         return ordered[:k]
 
+    def match_numa_nics(
+        self,
+        numa_node: int,
+        k: int = 1,
+        vendors: Sequence[NicVendor] | None = None,
+        devices: str | None = None,
+    ) -> list[NicPort]:
+        """The ``k`` ACTIVE ports for host memory on ``numa_node`` (mori-io's multi-NIC transfers):
+        ports of that node first, then the others, each group in port order. ``MORI_DISABLE_TOPO=1``:
+        ports ``(numa_node + j) % n``."""
+        f = "NodeTopology.match_numa_nics"
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise bad_value(f, "k", k, "a whole number >= 1")
+        if numa_node not in self.numa_cpus and numa_node != -1:
+            raise bad_value(
+                f, "numa_node", numa_node, f"a NUMA node of this machine {sorted(self.numa_cpus)} or -1"
+            )
+        ports = self.ports(vendors, devices)
+        if not ports:
+            return []
+        k = min(k, len(ports))
+        if env.MORI_DISABLE_TOPO.get():
+            return [ports[(max(numa_node, 0) + j) % len(ports)] for j in range(k)]
+        near = [p for p in ports if p.pci is not None and p.pci.numa_node == numa_node]
+        return (near + [p for p in ports if p not in near])[:k]
+
     def cpus_of_gpu(self, gpu: int | str) -> frozenset[int]:
         """CPUs of ``gpu``'s NUMA node (every CPU if the node is unknown)."""
         node = self.gpu(gpu).pci.numa_node
