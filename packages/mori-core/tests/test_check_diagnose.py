@@ -111,6 +111,20 @@ def test_check_problems_missing_library_and_unknown_device(
     assert r.exit_code() == 1
 
 
+def test_check_gid_index_must_name_a_used_entry(tmp_path: Path, clean_env: pytest.MonkeyPatch) -> None:
+    eight_gpus_eight_nics(tmp_path)
+    clean_env.setenv("MORI_IB_GID_INDEX", "3")
+    r = check.run_check(str(tmp_path), _Plugins())
+    assert "mlx5_0:1: GID 3 = 0000:0000:0000:0000:0000:ffff:0a00:0001 RoCE v2" in _msgs(r, check.INFO)
+    assert not [p for p in _msgs(r, check.PROBLEM) if "GID" in p]
+    clean_env.setenv("MORI_IB_GID_INDEX", "2")  # the empty entry
+    r = check.run_check(str(tmp_path), _Plugins())
+    assert any(
+        p.startswith("mlx5_0:1: MORI_IB_GID_INDEX=2 is an empty GID entry") for p in _msgs(r, check.PROBLEM)
+    )
+    assert r.exit_code() == 1
+
+
 def test_check_on_a_node_without_nics(tmp_path: Path, clean_env: pytest.MonkeyPatch) -> None:
     no_nic(tmp_path)
     r = check.run_check(str(tmp_path), _Plugins())

@@ -176,3 +176,11 @@ def test_qos_values_are_range_checked(clean_env: pytest.MonkeyPatch, name: str, 
         MoriValueError, match=f"{name}='{value}' is not valid: expected a whole number from 0"
     ):
         var.get()
+
+
+def test_gid_entries(tmp_path: Path) -> None:
+    eight_gpus_eight_nics(tmp_path)
+    assert nic.gid("mlx5_0", 1, 3, tmp_path) == ("0000:0000:0000:0000:0000:ffff:0a00:0001", "RoCE v2")
+    assert nic.gid("mlx5_0", 1, 0, tmp_path) == ("fe80:0000:0000:0000:0a00:00ff:fe00:0001", "IB/RoCE v1")
+    assert nic.gid("mlx5_0", 1, 2, tmp_path) is None  # all zero: unused
+    assert nic.gid("mlx5_0", 1, 9, tmp_path) is None and nic.gid("mlx5_9", 1, 0, tmp_path) is None

@@ -263,6 +263,19 @@ def _nic_findings(report: CheckReport, plugins: Plugins, root: str) -> None:
                     else " (used once MORI_RDMA_DEVICES opts in; the ucx transport stays on loopback until then)"
                 ),
             )
+            if s.gid_index is not None:
+                for name in s.ports:
+                    dev, _, port = name.partition(":")
+                    g = nic.gid(dev, int(port), s.gid_index, root)
+                    if g is None:
+                        report.add(
+                            PROBLEM,
+                            "nics",
+                            f"{name}: MORI_IB_GID_INDEX={s.gid_index} is an empty GID entry on this port "
+                            "(list them: ports/N/gids/ in sysfs; RoCE v2 is usually 3)",
+                        )
+                    else:
+                        report.add(INFO, "nics", f"{name}: GID {s.gid_index} = {g[0]} {g[1]}".rstrip())
             extras = {
                 "GID index": s.gid_index,
                 "traffic class": s.traffic_class,

@@ -97,6 +97,16 @@ class RdmaDevice:
         return [f"{self.name}:{p.number}" for p in self.ports if p.active or not active_only]
 
 
+def gid(device: str, port: int, index: int, root: str | os.PathLike[str] = "/") -> tuple[str, str] | None:
+    """``(GID, type)`` at ``index`` of a port's GID table (type ``RoCE v2``, ``IB/RoCE v1`` or
+    ``""``), or None if the entry is absent or all zero (unused)."""
+    p = Path(root, INFINIBAND, device, "ports", str(port))
+    value = _read(p / "gids" / str(index))
+    if not value or not value.replace(":", "").strip("0"):
+        return None
+    return value, _read(p / "gid_attrs" / "types" / str(index)) or ""
+
+
 def scan_rdma_devices(root: str | os.PathLike[str] = "/") -> list[RdmaDevice]:
     """Every RDMA device under ``root``'s ``/sys/class/infiniband``, sorted by name (none: ``[]``).
 
@@ -497,6 +507,7 @@ __all__ = [
     "VendorNicProvider",
     "VendorReport",
     "find_library",
+    "gid",
     "firmware_below",
     "installed_vendors",
     "network_settings",

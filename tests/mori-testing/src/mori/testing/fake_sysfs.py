@@ -26,6 +26,18 @@ NICS = {
 }
 
 
+EMPTY_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
+
+
+def _default_gids(port: int) -> dict[int, tuple[str, str]]:
+    ll = f"fe80:0000:0000:0000:0a00:00ff:fe00:{port:04x}"
+    return {
+        0: (ll, "IB/RoCE v1"),
+        1: (ll, "RoCE v2"),
+        3: (f"0000:0000:0000:0000:0000:ffff:0a00:{port:04x}", "RoCE v2"),
+    }
+
+
 @dataclass
 class FakeSysfs:
     """A sysfs tree under ``root`` that tests add devices to."""
@@ -74,10 +86,13 @@ class FakeSysfs:
         fw: str = "",
         link_layer: str = "Ethernet",
         aux_driver: str | None = None,
+        gids: dict[int, tuple[str, str]] | None = None,
     ) -> Path:
         """Add ``sys/class/infiniband/NAME`` for the PCI function ``pci_address`` (None: a soft
         device with no ``device`` link). ``ports``: number -> state (``ACTIVE``, ``DOWN``).
-        ``aux_driver``: link ``device`` to an auxiliary device below the function bound to it."""
+        ``aux_driver``: link ``device`` to an auxiliary device below the function bound to it.
+        ``gids``: index -> (GID, type) per port; default: index 0 a link-local RoCE v1 GID, index 1
+        RoCE v2 of it, index 3 a RoCE v2 IPv4-mapped GID, index 2 empty (as the kernel shows)."""
         where = (
             self._where[pci_address] if pci_address else self.root / "sys/devices/virtual"
         ) / "infiniband"
@@ -101,6 +116,14 @@ class FakeSysfs:
             (p / "state").write_text(f"{codes.get(state, 0)}: {state}\n")
             (p / "link_layer").write_text(link_layer + "\n")
             (p / "rate").write_text("400 Gb/sec (4X NDR)\n")
+            table = gids if gids is not None else _default_gids(num)
+            (p / "gids").mkdir()
+            (p / "gid_attrs" / "types").mkdir(parents=True)
+            for i in range(max(table, default=-1) + 1):
+                gid, kind = table.get(i, (EMPTY_GID, ""))
+                (p / "gids" / str(i)).write_text(gid + "\n")
+                if kind:
+                    (p / "gid_attrs" / "types" / str(i)).write_text(kind + "\n")
         self._link(self.root / "sys/class/infiniband" / name, d)
         return d
 
@@ -202,6 +225,7 @@ __all__ = [
     "CLASS_BRIDGE",
     "CLASS_ETH",
     "CLASS_IB",
+    "EMPTY_GID",
     "INTEL",
     "MELLANOX",
     "NICS",
