@@ -265,8 +265,8 @@ def _nic_findings(report: CheckReport, plugins: Plugins, root: str) -> None:
             )
             if s.gid_index is not None:
                 for name in s.ports:
-                    dev, _, port = name.partition(":")
-                    g = nic.gid(dev, int(port), s.gid_index, root)
+                    dev_name, _, port = name.partition(":")
+                    g = nic.gid(dev_name, int(port), s.gid_index, root)
                     if g is None:
                         report.add(
                             PROBLEM,
