@@ -14,6 +14,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import time
 import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -218,10 +219,26 @@ def _install_dists(session: nox.Session, dists: Sequence[Dist], *deps: str, comp
     import it (the tests), so other sessions install with --no-compile.
     """
     wheels = _wheels(session, dists)
-    session.install(*([] if compile_ else ["--no-compile"]), *deps, *wheels)
+    opts = [] if compile_ else ["--no-compile"]
+    # pip is silent under nox: one line per step, torch (the long one) on its own
+    first = [d for d in deps if d == TORCH]
+    if first:
+        _install_step(session, f"{TORCH} (the longest step: minutes on a fresh cache)", *opts, *first)
+    rest = [d for d in deps if d != TORCH]
+    _install_step(session, f"{len(rest)} requirements and {len(wheels)} local wheels", *opts, *rest, *wheels)
     # A reused venv (nox -r) holds the same version numbers, which pip would keep: force ours in.
-    session.install("--no-deps", "--force-reinstall", "--quiet", *wheels)
+    _install_step(
+        session, "the local wheels again, forced", "--no-deps", "--force-reinstall", "--quiet", *wheels
+    )
     session.log("installed " + ", ".join(d.name for d in dists))
+
+
+def _install_step(session: nox.Session, what: str, *args: str) -> None:
+    """``session.install(*args)`` between a line saying what it installs and one saying how long it took."""
+    session.log(f"install: {what} ...")
+    t0 = time.monotonic()
+    session.install(*args)
+    session.log(f"install: {what}: done in {time.monotonic() - t0:.0f} s")
 
 
 def _check_python(session: nox.Session) -> None:
@@ -371,7 +388,8 @@ for _arch in ARCHES:
 def lint(session: nox.Session) -> None:
     """Ruff (check + format --check) over the repo, mypy --strict on mori-core's API (ruff check args after --)."""
     # torch and pluggy give mypy the real types of what the API passes around.
-    session.install("--no-compile", *LINT_DEPS, TORCH, *CORE_DEPS)
+    _install_step(session, f"{TORCH} (the longest step)", "--no-compile", TORCH)
+    _install_step(session, "ruff, mypy and mori-core's dependencies", "--no-compile", *LINT_DEPS, *CORE_DEPS)
     failed: list[str] = []
     for name, cmd in (
         ("ruff check", ["ruff", "check", ".", *session.posargs]),
@@ -411,6 +429,7 @@ def _venv(session: nox.Session, name: str) -> Path:
     shutil.rmtree(path, ignore_errors=True)
     session.run("python", "-m", "venv", str(path))
     # --no-compile: these venvs import torch a handful of times, byte-compiling it costs more.
+    session.log(f"venv {name}: installing {TORCH} ...")
     _pip(session, path, "install", "--quiet", "--no-compile", TORCH)
     return path
 

@@ -231,13 +231,17 @@ def check_spec(jit: Any, spec: Any) -> str:
     params = inspect.signature(jit.fn).parameters
     constexpr = {n for n, p in params.items() if "constexpr" in str(p.annotation)}
     runtime = [n for n in params if n not in constexpr]
+    # a runtime argument a launch leaves None is a constexpr to Triton (the untraced variants'
+    # trace_ptr): declared as such, it belongs in constexprs with the value None
+    none = {n for n in runtime if n in spec.constexprs and spec.constexprs[n] is None}
     problems = []
-    missing = [n for n in runtime if n not in spec.signature]
+    missing = [n for n in runtime if n not in spec.signature and n not in none]
     missing += [
         n for n in constexpr if n not in spec.constexprs and params[n].default is inspect.Parameter.empty
     ]
     extra = [n for n in [*spec.signature, *spec.constexprs] if n not in params]
-    wrong = [n for n in spec.signature if n in constexpr] + [n for n in spec.constexprs if n in runtime]
+    wrong = [n for n in spec.signature if n in constexpr]
+    wrong += [n for n in spec.constexprs if n in runtime and n not in none]
     bad_align = [n for n in spec.aligned if n not in spec.signature]
     if missing:
         problems.append(f"variant {spec.describe()!r} lacks {missing}")

@@ -49,3 +49,27 @@ def test_bench_rejects_sizes_it_cannot_split() -> None:
     bench.add_arguments(p)
     with pytest.raises(MoriValueError, match="multiples of 8 bytes for allgather with 2 ranks"):
         bench.run(p.parse_args(["--ranks", "2", "--sizes", "4100"]))
+
+
+def test_mori_bench_cco_trace_writes_per_rank_traces(tmp_path: Path) -> None:
+    # --trace under the interpreter: every size's checked call of the Triton kernels, per rank
+    import os
+
+    from mori import viz
+
+    cmd = [sys.executable, "-m", "mori.core.cli", "bench", "cco", "--ranks", "2", "--sizes", "4K,64K"]
+    cmd += ["--collectives", "allreduce", "--impl", "triton", "--iters", "1", "--warmup", "0"]
+    cmd += ["--target-ms", "1", "--no-baseline", "--json", str(tmp_path / "cco.json"), "--plot", "none"]
+    cmd += ["--trace", str(tmp_path / "tr")]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    traces = viz.load_traces(tmp_path / "tr" / "allreduce")
+    assert [t.rank for t in traces] == [0, 1]
+    from mori.viz.timeline import build_timeline
+
+    tl = build_timeline(traces)
+    names = {tl.slot_label(s.slot) for s in tl.spans}
+    # both sizes are under the one-shot limit: the one-shot kernel's phases, on both ranks
+    assert {("stage", "ccl.allreduce"), ("ready", "ccl.allreduce"), ("reduce", "ccl.allreduce")} <= names
+    assert {tl.tracks[s.track].rank for s in tl.spans} == {0, 1}

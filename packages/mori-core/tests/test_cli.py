@@ -73,3 +73,25 @@ def test_bench_shmem_small_run_writes_json(tmp_path: Path, capsys: pytest.Captur
     assert all((r["ratio"] > 0 and not r["off"]) if r["ratio"] is not None else r["off"] for r in rows)
     assert out.count("off*") == sum(r["ratio"] is None for r in rows)
     assert record["suite"] == "shmem" and "git_sha" in record and record["config"]["ranks"] == 2
+
+
+def test_bench_of_a_missing_distribution_names_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mori.core.plugins import Plugins
+
+    bare = Plugins(groups=())  # no plugin registers a suite: as with mori-core alone, less shmem
+    monkeypatch.setattr(cli, "_installed", lambda dist: False)
+    args = cli.build_parser(bare).parse_args(["bench", "ep", "--tokens", "8"])
+    assert args.func(args) == 2
+    assert "mori bench ep: provided by mori-ep, which is not installed: pip install mori-ep" in (
+        capsys.readouterr().err
+    )
+    monkeypatch.setattr(cli, "_installed", lambda dist: True)
+    args = cli.build_parser(bare).parse_args(["bench", "io"])
+    assert args.func(args) == 2
+    assert "mori-io is installed but registered no 'io' suite" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a name no distribution provides stays an argparse error
+        cli.build_parser(bare).parse_args(["bench", "nosuch"])
+    with pytest.raises(SystemExit):  # mori-core's own components are no missing suite
+        cli.build_parser(bare).parse_args(["bench", "core"])

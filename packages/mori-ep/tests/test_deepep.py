@@ -147,14 +147,17 @@ def _normal_round(buf: Buffer, seed: int, rank: int, world: int) -> None:
     combined, combined_w, event = buf.combine(y, handle, topk_weights=recv_w)
     factor = (_in_rank(me["idx"], world).float() * (torch.arange(world) + 1)).sum(1)
     assert combined.shape == (me["n"], H) and combined.dtype == torch.bfloat16
-    _close(combined.float(), me["x"].float() * factor[:, None], rtol=2e-2, atol=2e-2)
+    # two roundings: each expert's y = bf16(x * (rank + 1)), then the sum over ranks
+    mag = me["x"].float().abs() * factor[:, None]
+    _check_rounded(combined, me["x"].float() * factor[:, None], mag, 2)
     assert combined_w is not None
     _close(combined_w, torch.where(me["idx"] >= 0, me["w"], 0.0), rtol=1e-6, atol=1e-6)
     # bias (one tensor or two), no weights
     combined_b, none_w, _ = buf.combine(y, handle, bias=(me["bias"], me["bias"]))
     assert none_w is None
     expect_b = me["x"].float() * factor[:, None] + 2 * me["bias"].float()
-    _close(combined_b.float(), expect_b, rtol=2e-2, atol=5e-2)
+    # three: the experts' y, the sum, and the sum plus the biases
+    _check_rounded(combined_b, expect_b, mag + 2 * me["bias"].float().abs(), 3)
 
     # cached dispatch: same layout, new payload, no top-k outputs
     ref2 = _expected_recv(all_in, rank, "x2")
@@ -171,7 +174,7 @@ def _normal_round(buf: Buffer, seed: int, rank: int, world: int) -> None:
     assert torch.equal(h_nt.rank_prefix_matrix, handle.rank_prefix_matrix)
     got_nt, none_nt, _ = buf.combine(y, h_nt)
     assert none_nt is None
-    _close(got_nt.float(), me["x"].float() * factor[:, None], rtol=2e-2, atol=2e-2)
+    _check_rounded(got_nt, me["x"].float() * factor[:, None], mag, 2)
     with pytest.raises(MoriValueError, match=r"topk_weights=.*no top-k"):
         buf.combine(y, h_nt, topk_weights=recv_w)
 
@@ -202,7 +205,8 @@ def _normal_round(buf: Buffer, seed: int, rank: int, world: int) -> None:
     yw[total:] = 1000
     combined_w8, _, _ = buf.combine(yw, h8)
     u = _in_rank(me["idx"], world).sum(1).float()
-    _close(combined_w8.float(), me["x"].float() * u[:, None], rtol=2e-2, atol=2e-2)
+    # the rows are x itself (bf16, exact): one rounding, of the sum
+    _check_rounded(combined_w8, me["x"].float() * u[:, None], me["x"].float().abs() * u[:, None], 1)
     # cached dispatch of the padded handle keeps the padding
     r2 = buf.dispatch(
         (me["fp8"], me["scales"]),
@@ -214,7 +218,7 @@ def _normal_round(buf: Buffer, seed: int, rank: int, world: int) -> None:
     assert r2[0].shape == (worst, H) and torch.equal(_bits(r2[0][:total]), _bits(ref8["x"]))
     # a combine of the first handle still works after later dispatches
     again, _, _ = buf.combine(y, handle)
-    _close(again.float(), me["x"].float() * factor[:, None], rtol=2e-2, atol=2e-2)
+    _check_rounded(again, me["x"].float() * factor[:, None], mag, 2)
 
 
 def _normal_errors(buf: Buffer, rank: int, world: int) -> None:
@@ -329,6 +333,24 @@ def _expert_fn(recv: torch.Tensor, rank: int) -> torch.Tensor:
     return (recv.float() * (1 + g / 8)[:, None, None]).bfloat16()
 
 
+def _check_rounded(got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor, roundings: int) -> None:
+    """``got`` (bf16) within ``roundings`` bf16 roundings of ``want``: each rounding is within half
+    an ulp, at most 2^-8 of the value rounded, whose size ``mag`` bounds (the sum of the magnitudes
+    of the terms); ``1e-6`` for the order of float32 additions."""
+    _close_bound(got.float(), want, roundings * 2**-8 * mag + 1e-6)
+
+
+def _close_bound(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -> None:
+    assert got.shape == want.shape, f"shape {tuple(got.shape)} != {tuple(want.shape)}"
+    diff = (got.double() - want.double()).abs()
+    if bool((diff > bound).any()):
+        i = int((diff - bound).flatten().argmax())
+        raise AssertionError(
+            f"{int((diff > bound).sum())} of {diff.numel()} elements beyond the bound; worst at flat index "
+            f"{i}: got {got.flatten()[i].item()}, want {want.flatten()[i].item()}, bound {bound.flatten()[i].item():.4g}"
+        )
+
+
 def _expected_combine(d: dict[str, Any]) -> torch.Tensor:
     out = torch.zeros(d["n"], H)
     for k in range(K):
@@ -336,6 +358,22 @@ def _expected_combine(d: dict[str, Any]) -> torch.Tensor:
         f = torch.where(e >= 0, 1 + e.float() / 8, 0.0)
         out += d["w"][:, k : k + 1] * (d["x"].float() * f[:, None]).bfloat16().float()
     return out
+
+
+def _check_combine(got: torch.Tensor, d: dict[str, Any], row_err: torch.Tensor | float = 0.0) -> None:
+    """``got`` (bf16) against :func:`_expected_combine` within the error the path can make. Two
+    roundings to bf16 (each expert rank's weighted partial sum, on the wire, then the result), each
+    within half an ulp, which is at most 2^-8 of the value: at most 2^-7 of the sum of the terms'
+    magnitudes. Plus ``row_err``, the error of each received row (fp8: what the dispatch's
+    quantisation may make), times its weight and expert factor."""
+    mag = torch.zeros(d["n"], H)
+    err = torch.zeros(d["n"], H)
+    for k in range(K):
+        e = d["idx"][:, k]
+        wf = (d["w"][:, k] * torch.where(e >= 0, 1 + e.float() / 8, 0.0))[:, None]
+        mag += wf.abs() * d["x"].float().abs()
+        err += wf.abs() * row_err
+    _close_bound(got.float(), _expected_combine(d), 2**-7 * (mag + err) + err + 1e-6)
 
 
 def _check_packed(
@@ -393,7 +431,7 @@ def _ll(rank: int, world: int, port: int) -> str:
                 pass
             assert torch.equal(wait_stats, torch.arange(world)), "no wait times are measured"
             assert hook is None and combined.shape == (me["n"], H) and combined.dtype == torch.bfloat16
-            _close(combined.float(), _expected_combine(me), rtol=2e-2, atol=5e-2)
+            _check_combine(combined, me)
 
         # fp8: DeepEP's per-128-channel scales amax / 448, column-major; values within fp8 precision
         all_in = [_inputs(50, s, world, LL_M) for s in range(world)]
@@ -418,7 +456,11 @@ def _ll(rank: int, world: int, port: int) -> str:
         # combine of the dequantised rows
         deq_all = (q.float().view(E_LOCAL, -1, H // 128, 128) * sc[..., None]).view(E_LOCAL, -1, H)
         combined, _, _ = buf.low_latency_combine(_expert_fn(deq_all, rank), me["idx"], me["w"], handle)
-        _close(combined.float(), _expected_combine(me), rtol=0.1, atol=0.5)
+        # each received row within the fp8 bound asserted above (per 128-channel group)
+        x = me["x"].float().view(me["n"], H // 128, 128)
+        amax = x.abs().amax(2, keepdim=True).clamp(min=1e-4)
+        row_err = (x.abs() / 16 + amax / 448 / 64).view(me["n"], H)
+        _check_combine(combined, me, row_err)
         # round_scale: powers of two at least amax / 448; use_ue8m0 (hidden a multiple of 512): their
         # exponent bytes, four per int32. The second half of each row is the first half doubled.
         x512 = torch.cat([me["x"], me["x"] * 2], dim=1)
@@ -463,7 +505,7 @@ def _ll(rank: int, world: int, port: int) -> str:
         assert combined is out and callable(hook)
         assert bool((out == 7).all()), "combined_x is written by the hook"
         hook()
-        _close(out.float(), _expected_combine(me), rtol=2e-2, atol=5e-2)
+        _check_combine(out, me)
 
         # two dispatches in flight (double buffering), combined in order
         a = [_inputs(70, s, world, LL_M) for s in range(world)]
@@ -474,8 +516,8 @@ def _ll(rank: int, world: int, port: int) -> str:
         _check_packed(rb[0], rb[1], rb[2], b, rank)
         ca = buf.low_latency_combine(_expert_fn(ra[0], rank), a[rank]["idx"], a[rank]["w"], ra[2])[0]
         cb = buf.low_latency_combine(_expert_fn(rb[0], rank), b[rank]["idx"], b[rank]["w"], rb[2])[0]
-        _close(ca.float(), _expected_combine(a[rank]), rtol=2e-2, atol=5e-2)
-        _close(cb.float(), _expected_combine(b[rank]), rtol=2e-2, atol=5e-2)
+        _check_combine(ca, a[rank])
+        _check_combine(cb, b[rank])
         buf.clean_low_latency_buffer(LL_M, H, num_experts)
 
         # errors, all raised before anything is sent
@@ -627,6 +669,8 @@ def _kernels(rank: int, world: int) -> str:
     assert torch.equal(_bits(recv_w.cpu()), _bits(ref["w"]))
     combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w, config=few)
     u = _in_rank(me["idx"], world).sum(1).float()
+    # loose on purpose, and the one place left so: the kernels' rounding is not yet checked against
+    # the CPU path's bounds (_check_rounded) on two GPUs; 2e-2 is about five bf16 roundings
     _close(combined.cpu().float(), me["x"].float() * u[:, None], rtol=2e-2, atol=2e-2)
     assert combined_w is not None
     _close(combined_w.cpu(), torch.where(me["idx"] >= 0, me["w"], 0.0), rtol=1e-6, atol=1e-6)
@@ -639,7 +683,7 @@ def _kernels(rank: int, world: int) -> str:
     combined, _, _ = buf.low_latency_combine(
         _expert_fn(recv_x.cpu(), rank).to(dev), me_d["idx"], me_d["w"], ll
     )
-    _close(combined.cpu().float(), _expected_combine(me), rtol=2e-2, atol=5e-2)
+    _close(combined.cpu().float(), _expected_combine(me), rtol=2e-2, atol=5e-2)  # (as above)
     assert buf._ops and all(op._kern is not None for op in buf._ops.values()), "not on the kernels"
     shmem.shmem_barrier_all()
     return "ok"

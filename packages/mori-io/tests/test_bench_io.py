@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from mori.core.cli import build_parser
+from mori.core.errors import MoriError
 from mori.io import bench
 
 
@@ -221,7 +222,85 @@ def test_a_target_that_dies_is_reported_at_once() -> None:
     proc = ctx.Process(target=_dies)
     proc.start()
     t0 = time.monotonic()
-    with pytest.raises(SystemExit, match="exited with code 3 before it was ready"):
+    with pytest.raises(
+        bench.BenchPeerError, match="exited with code 3 while the initiator waited for its first"
+    ):
         bench.await_target(parent, proc, 60.0)
     assert time.monotonic() - t0 < 30
     proc.join()
+
+
+def _silent() -> None:
+    import time
+
+    time.sleep(120)
+
+
+def test_a_silent_target_fails_after_the_timeout() -> None:
+    import multiprocessing as mp
+    import time
+
+    ctx = mp.get_context("spawn")
+    parent, _child = ctx.Pipe()
+    proc = ctx.Process(target=_silent)
+    proc.start()
+    peer = bench.Peer("target", parent, proc, 1.0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(bench.BenchPeerError, match=r"did not answer within 1 s \(--timeout\)"):
+            peer.ask("digest", 0, 8)
+        assert 1.0 <= time.monotonic() - t0 < 10
+        assert isinstance(bench.BenchPeerError("x"), MoriError)  # `mori` prints it as an error, exit 1
+    finally:
+        peer.stop(failed=True)
+    assert not proc.is_alive()
+
+
+def test_timeout_option() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["bench", "io"]).timeout == bench.PEER_TIMEOUT_S
+    assert parser.parse_args(["bench", "io", "--timeout", "2.5"]).timeout == 2.5
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "io", "--timeout", "0"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cma", ["on", "off"])
+def test_a_target_killed_mid_run_fails_in_seconds(cma: str, tmp_path: Path) -> None:
+    # `mori bench io` as a user runs it; once it has measured, its target process is killed: the
+    # command must exit 1 within seconds with the named error, not wait on its pipe forever.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    argv = [sys.executable, "-m", "mori.core.cli", "bench", "io", "--nixl", "off", "--tcp-cma", cma]
+    argv += ["--blocks", "4K,64K", "--batches", "1,4", "--max-bytes", "1M", "--iters", "20"]
+    argv += ["--reps", "100000", "--timeout", "60", "--json", str(tmp_path / "io.json")]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # "rep 1/100000: mori done": the target is up and transfers ran
+            if "rep 1/" in line:
+                break
+        else:
+            pytest.fail(
+                f"the bench ended before measuring: {proc.wait()} {proc.stderr.read() if proc.stderr else ''}"
+            )
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        targets = [c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+        assert len(targets) == 1, f"expected one spawned target among {children}"
+        t0 = time.monotonic()
+        os.kill(int(targets[0]), signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, err
+    assert (
+        "mori: error: mori bench io: the target process exited with code -9 while the initiator waited" in err
+    )
+    assert elapsed < 20, f"took {elapsed:.1f} s to notice"

@@ -197,3 +197,27 @@ def test_the_originals_debug_time_names_read_an_operators_buffer() -> None:
     assert cpp.get_debug_time_offset(op).tolist() == [0, 0, 2]
     group = slots.declare_slots("test.debug_time", ["phase_a"])
     assert cpp.ALL_PROFILER_SLOTS[group.phase_a.value] == ("test.debug_time", "phase_a")
+
+
+def test_every_installed_kernel_module_declares_slots_that_fold_apart() -> None:
+    # Slot ids fold names into 14 bits; a collision between two packages' groups surfaces only
+    # when both modules are imported into one process (ccl.gather/finish and ep.dispatch/wait_ready
+    # once did): import them all here.
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("kernel modules need Triton")
+    modules = ["mori.viz.examples", "mori.ep.kernels", "mori.ccl.kernels"]
+    found = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:  # its distribution is not installed here
+            if not (e.name or "").startswith(("mori.ep", "mori.ccl", "mori.cco")):
+                raise
+            continue
+        found.append(name)
+    assert "mori.viz.examples" in found
+    groups = {info.group for info in slots.slot_table().values()}
+    assert {"ep.dispatch", "ccl.allreduce"} <= groups or len(found) < 3, groups

@@ -299,3 +299,55 @@ def test_receiver_events_follow_sender_events_across_ranks(tmp_path: Path) -> No
     )
     skewed = build_timeline([traces[0], dataclasses.replace(r1, sources=[bad_src, *r1.sources[1:]])])
     assert _ordering_violations(_instants(skewed, "sent"), _instants(skewed, "received"))
+
+
+_PRECOMPILED_IS_LAUNCHED = """
+import os, torch, triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+class TargetOnly:  # names a target, so that warmup compiles for it on this CPU
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+    def get_active_torch_device(self): return torch.device("cpu")
+
+driver.set_active(TargetOnly())
+from mori.core.kernels import aot_variants
+from mori.jit import kernels_in, precompile
+from mori.viz import device as vd
+
+@aot_variants(vd.traced_variants([{"signature": {"x_ptr": "*i32"}, "constexprs": {}, "aligned": ("x_ptr",)}]))
+@triton.jit
+def toy(x_ptr, trace_ptr=None, TRACE: tl.constexpr = False):
+    tr = vd.open_trace(trace_ptr, TRACE)
+    tl.store(x_ptr, 1)
+    tr = vd.instant(tr, 1)
+    vd.close_trace(tr)
+
+cache = os.environ["TRITON_CACHE_DIR"]
+def compiled():
+    return sum(any(f.endswith(".ttir") for f in os.listdir(os.path.join(cache, d))) for d in os.listdir(cache))
+
+import sys
+report = precompile(kernels=kernels_in(sys.modules[__name__]), targets=["cuda:90"], progress=None)
+assert report.count("compiled") == 2, report.summary()
+toy.warmup(torch.int32, grid=(1,))  # tracing off: trace_ptr left at None
+toy.warmup(torch.int32, torch.int64, TRACE=True, grid=(1,))  # on: a TraceBuffer's aligned tensor
+print(compiled())
+"""
+
+
+def test_traced_variants_are_what_launches_look_up(tmp_path: Path) -> None:
+    # An untraced variant that declared trace_ptr a pointer compiled code no launch (which leaves
+    # it None) ever found: precompiled EP kernels were compiled again at their first launch.
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "MORI_"))}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    script = tmp_path / "toy.py"
+    script.write_text(_PRECOMPILED_IS_LAUNCHED)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "2", "a launch compiled a variant precompile had made"

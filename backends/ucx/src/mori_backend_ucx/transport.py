@@ -10,6 +10,7 @@ from pathlib import Path
 
 from mori.core.backend import Availability, NetworkTransport
 from mori.core.errors import MoriBackendError, MoriValueError
+from mori.core.nic import NetworkSettings, network_settings
 from mori_backend_ucx import _native, library
 from mori_backend_ucx.env import MORI_UCX_OPTIONS
 
@@ -90,6 +91,39 @@ def _why_no_rdma(ucx: library.LoadedUcx) -> str:
     return "UCX found no usable RDMA port (check net_devices / UCX_NET_DEVICES)"
 
 
+#: where UCX takes each vendor-neutral NIC setting (UCX's IB interface variables)
+_IB_SETTINGS = (
+    ("gid_index", "UCX_IB_GID_INDEX"),
+    ("traffic_class", "UCX_IB_TRAFFIC_CLASS"),
+    ("service_level", "UCX_IB_SL"),
+)
+
+
+def nic_options(settings: NetworkSettings, options: str, has_verbs: bool) -> list[str]:
+    """The options the NIC plugins' data adds to ``options`` (what the user gave wins):
+
+    - ``net_devices`` = the selected ACTIVE ports (``mlx5_0:1,...``) plus ``lo``, only when the
+      user chose devices with ``MORI_RDMA_DEVICES`` (listening beyond loopback stays opt-in) and
+      named no ``net_devices`` / ``UCX_NET_DEVICES`` of their own;
+    - GID index, traffic class and service level as UCX's ``UCX_IB_*`` settings, only where this
+      UCX has its verbs module (a UCX without it refuses those names)."""
+    keys = {item.split("=", 1)[0].strip() for item in options.split(";") if "=" in item}
+    out: list[str] = []
+    if (
+        settings.explicit
+        and settings.ports
+        and "net_devices" not in keys
+        and "UCX_NET_DEVICES" not in os.environ
+    ):
+        out.append("net_devices=" + ",".join((*settings.ports, "lo")))
+    if has_verbs:
+        for attr, var in _IB_SETTINGS:
+            value = getattr(settings, attr)
+            if value is not None and var not in keys and var not in os.environ:
+                out.append(f"{var}={value}")
+    return out
+
+
 class UcxTransport(NetworkTransport):
     name = "ucx"
     description = (
@@ -115,11 +149,15 @@ class UcxTransport(NetworkTransport):
             # UCX 1.22's posix transport crashes the process (SIGSEGV in ucp_init) when /dev/shm has
             # too little room, as in a container with a 16 MiB one; leave it out there.
             options = ";".join(filter(None, (options, "tls=^posix")))
+        settings = network_settings()  # MoriValueError names a bad MORI_RDMA_DEVICES
+        if settings.ports or any(getattr(settings, a) is not None for a, _ in _IB_SETTINGS):
+            has_verbs = library.load().has_verbs_build
+            options = ";".join(filter(None, (options, *nic_options(settings, options, has_verbs))))
         return options
 
     def probe(self) -> Availability:
-        options = self.options()
         try:
+            options = self.options()
             inv = inventory(options)
         except (MoriBackendError, MoriValueError) as e:
             return Availability(False, str(e))

@@ -111,6 +111,7 @@ class _Pull(Collective):
             LARGE=not small,
             BLOCK=k.BLOCK,
             num_warps=k.NUM_WARPS,
+            **self._trace(),
         )
         return "triton:small" if small else "triton:large"
 

@@ -253,6 +253,7 @@ class AllreduceSdma(Collective):
             ACC_F32=self.dtype.is_floating_point,
             BLOCK=k.BLOCK,
             num_warps=k.NUM_WARPS,
+            **self._trace(),
         )
         return "triton:oneshot"
 
@@ -274,5 +275,6 @@ class AllreduceSdma(Collective):
             ACC_F32=self.dtype.is_floating_point,
             BLOCK=k.BLOCK,
             num_warps=k.NUM_WARPS,
+            **self._trace(),
         )
         return "triton:rsag"

@@ -114,6 +114,7 @@ class Collective:
                 self.comm.destroy()
             raise
         self.last_path = ""
+        self._trace_buffer: Any = None
         self._out_transit: torch.Tensor | None = None
         self._async: _Async | None = None
         self._lock = threading.Lock()
@@ -282,6 +283,46 @@ class Collective:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+    # -- tracing (mori.viz) ----------------------------------------------------------------------
+
+    def enable_tracing(self, buffer: Any = None, *, capacity: int = 4096, n_rings: int | None = None) -> Any:
+        """Record the protocol phases of every following kernel launch of this collective (their
+        traced variants) into ``buffer`` (a :class:`mori.viz.TraceBuffer` on the communicator's
+        device), or a new one of ``n_rings`` rings (default: the programs per launch) of
+        ``capacity`` events; return it. Read it with ``mori.viz.capture([buf])`` when the device
+        is idle. Not collective. Only the Triton kernels record: raises
+        :class:`~mori.core.errors.MoriStateError` on the host path (``impl='host'``).
+        """
+        func = f"{self.NAME}.enable_tracing"
+        if self.impl != "triton":
+            raise MoriStateError(
+                f"{func}: this collective runs the host path (impl={self.impl!r}); tracing records the "
+                "Triton kernels (impl='triton', or a GPU communicator)"
+            )
+        from mori.viz import TraceBuffer
+
+        if buffer is None:
+            rings = self.ch.programs if n_rings is None else n_rings
+            buffer = TraceBuffer(rings, capacity, device=self.device, rank=self.my_pe, name=self.NAME)
+        elif not isinstance(buffer, TraceBuffer) or buffer.device != self.device:
+            raise bad_type(func, "buffer", buffer, f"None or a mori.viz.TraceBuffer on {self.device}")
+        self._trace_buffer = buffer
+        return buffer
+
+    def disable_tracing(self) -> None:
+        """Launch the untraced kernels again (the buffer of :meth:`enable_tracing` stays readable)."""
+        self._trace_buffer = None
+
+    @property
+    def trace_buffer(self) -> Any:
+        """The :class:`mori.viz.TraceBuffer` the kernels record into, or None (tracing off)."""
+        return self._trace_buffer
+
+    def _trace(self) -> dict[str, Any]:
+        # launch arguments of the traced variant; none (the defaults: untraced) when off
+        buf = self._trace_buffer
+        return {} if buf is None else {"trace_ptr": buf.tensor, "TRACE": True}
 
     # -- kernel launch helpers ----------------------------------------------------------------------
 

@@ -125,6 +125,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="plot path (default: the JSON path with .png; 'none' for none; needs matplotlib)",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="also trace each size's checked call (Triton kernels, mori.viz), untimed; per-rank traces "
+        "in DIR/<collective>/ (open them with `mori viz export`)",
+    )
 
 
 def _spec(args: argparse.Namespace) -> dict[str, Any]:
@@ -158,6 +165,7 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         "reps": args.reps,
         "target_s": args.target_ms / 1e3,
         "baseline": not args.no_baseline,
+        "trace": args.trace,
         "port": _free_port(),
     }
 
@@ -195,6 +203,10 @@ def run(args: argparse.Namespace) -> int:
     path = Path(args.json or f"bench-results/cco-{spec['device']}.json")
     bench.write_json(path, "cco", config, rows)
     print(f"wrote {path}")
+    if spec["trace"]:
+        print(
+            f"traces: {spec['trace']}/<collective>/rank*.mviz.npz (Triton kernels only; none on the host path)"
+        )
     if args.plot != "none":
         _plot(Path(args.plot) if args.plot else path.with_suffix(".png"), config, rows)
     return 0 if ok else 1
@@ -404,6 +416,14 @@ def _collective(
     else:
         obj = ccl.All2allSdma(rank, n, **common)
     rows = []
+    trace = None
+    if spec["trace"] and obj.impl == "triton":
+        from mori.viz import TraceBuffer
+
+        # one ring per program, room for every size's one traced call
+        trace = TraceBuffer(
+            obj.ch.programs, 16 * len(spec["sizes"]), device=dev, rank=rank, name=f"ccl.{coll}"
+        )
     try:
         for size in spec["sizes"]:
             es = dtype.itemsize
@@ -435,7 +455,10 @@ def _collective(
             fns: dict[str, Callable[[], object]] = {"mori": mori_fn}
             fns.update(_baselines(spec, coll, dtype, in_numel, out_numel, dev) if spec["baseline"] else {})
             timed = timer.measure(fns)
-            mori_fn()
+            if trace is not None:
+                obj.enable_tracing(trace)
+            mori_fn()  # the checked call (traced with --trace)
+            obj.disable_tracing()
             if spec["device"] == "cuda":
                 torch.cuda.synchronize()
             got = (
@@ -459,6 +482,10 @@ def _collective(
                 }
             )
             dist.barrier()
+        if trace is not None:
+            from mori import viz
+
+            viz.capture([trace], host=False).save(Path(spec["trace"]) / coll / f"rank{rank}.mviz.npz")
     finally:
         obj.close()
     return rows

@@ -23,6 +23,8 @@ import triton.language as tl
 
 from mori.cco import device as ccd
 from mori.core.kernels import aot_variants, device_function
+from mori.viz import device as vd
+from mori.viz.slots import declare_slots
 
 __all__ = ["allreduce_oneshot_kernel", "allreduce_rsag_kernel", "gather_kernel", "sync_kernel"]
 
@@ -40,6 +42,15 @@ REDUCE_TYPES = {
 WORD_TYPES = {8: "*i64", 4: "*i32", 2: "*i16", 1: "*u8"}
 #: sync_kernel phases
 PHASE_WAIT_DONE, PHASE_READY, PHASE_FINISH = 0, 1, 2
+
+#: the protocol phases the kernels record when their TRACE constexpr is on (mori.viz): wait_done
+#: (the peers finished reading the last large call), stage (own input into the staging window),
+#: ready / ready2 (the LSA barriers), reduce / pull (reading the peers' copies), done (arriving at
+#: DONE, the launch's last program)
+ALLREDUCE = declare_slots(
+    "ccl.allreduce", ["kernel", "wait_done", "stage", "ready", "reduce", "ready2", "pull", "done"]
+)
+GATHER = declare_slots("ccl.gather", ["kernel", "wait_done", "stage", "ready", "pull", "done"])
 
 
 # -- device functions ---------------------------------------------------------------------------------
@@ -194,7 +205,7 @@ def _gather_variants() -> list[dict[str, Any]]:
 # -- kernels ------------------------------------------------------------------------------------------
 
 
-@aot_variants(_reduce_variants(large=False))
+@aot_variants(vd.traced_variants(_reduce_variants(large=False), traced=len(REDUCE_TYPES)))
 @triton.jit
 def allreduce_oneshot_kernel(
     # pointers (reduction dtype): input, output, this rank's small staging region (both halves)
@@ -211,20 +222,31 @@ def allreduce_oneshot_kernel(
     # accumulate in fp32 (floats); elements per step
     ACC_F32: tl.constexpr,
     BLOCK: tl.constexpr,
+    # trace buffer (mori.viz) when TRACE; None otherwise
+    trace_ptr=None,
+    TRACE: tl.constexpr = False,
 ):
     """One-shot all-reduce (sum): program k stages its slice in the half this call's parity picks,
     syncs READY(k) with the peers' programs k, then sums that slice over every rank's copy."""
+    tr = vd.open_trace(trace_ptr, TRACE)
+    tr = vd.begin(tr, ALLREDUCE.kernel)
     k = tl.program_id(0)
     e = ccd.lsa_barrier_epoch(devcomm, k) + 1
     base = stage_ptr + (e % 2) * half_elems
     lo = k.to(tl.int64) * per_program
     count = tl.minimum(n_elems - lo, per_program)
+    tr = vd.begin(tr, ALLREDUCE.stage)
     _copy(base + lo, inp_ptr + lo, count, BLOCK)
+    tr = vd.next_span(tr, ALLREDUCE.ready)
     ccd.lsa_barrier_sync(devcomm, k)
+    tr = vd.next_span(tr, ALLREDUCE.reduce)
     _reduce(out_ptr + lo, base + lo, count, win, devcomm, ACC_F32, BLOCK)
+    tr = vd.end(tr, ALLREDUCE.reduce)
+    tr = vd.end(tr, ALLREDUCE.kernel)
+    vd.close_trace(tr)
 
 
-@aot_variants(_reduce_variants(large=True))
+@aot_variants(vd.traced_variants(_reduce_variants(large=True), traced=len(REDUCE_TYPES)))
 @triton.jit
 def allreduce_rsag_kernel(
     # pointers (reduction dtype): input, output, this rank's large staging region
@@ -242,34 +264,49 @@ def allreduce_rsag_kernel(
     # accumulate in fp32 (floats); elements per step
     ACC_F32: tl.constexpr,
     BLOCK: tl.constexpr,
+    # trace buffer (mori.viz) when TRACE; None otherwise
+    trace_ptr=None,
+    TRACE: tl.constexpr = False,
 ):
     """Reduce-scatter + all-gather (sum). Rank r owns chunk r. Program k: waits at DONE (peers have
     finished reading the previous large call), stages slice k of every chunk, syncs READY(k), sums
     slice k of its own chunk over every rank's copy in place, syncs READY2(k), copies slice k of
     every rank's reduced chunk into the output, and the launch's last program arrives at DONE."""
+    tr = vd.open_trace(trace_ptr, TRACE)
+    tr = vd.begin(tr, ALLREDUCE.kernel)
     k = tl.program_id(0)
     P = tl.num_programs(0)
     n = ccd.lsa_size(devcomm)
     me = ccd.lsa_rank(devcomm)
+    tr = vd.begin(tr, ALLREDUCE.wait_done)
     ccd.lsa_barrier_wait(devcomm, 2 * P)
+    tr = vd.next_span(tr, ALLREDUCE.stage)
     r = tl.cast(0, tl.int64)
     while r < n:
         lo, count = _slice(r, k, n_elems, block_elems, per_program)
         _copy(stage_ptr + lo, inp_ptr + lo, count, BLOCK)
         r += 1
+    tr = vd.next_span(tr, ALLREDUCE.ready)
     ccd.lsa_barrier_sync(devcomm, k)
+    tr = vd.next_span(tr, ALLREDUCE.reduce)
     lo, count = _slice(me, k, n_elems, block_elems, per_program)
     _reduce(stage_ptr + lo, stage_ptr + lo, count, win, devcomm, ACC_F32, BLOCK)
+    tr = vd.next_span(tr, ALLREDUCE.ready2)
     ccd.lsa_barrier_sync(devcomm, P + k)
+    tr = vd.next_span(tr, ALLREDUCE.pull)
     r = tl.cast(0, tl.int64)
     while r < n:
         lo, count = _slice(r, k, n_elems, block_elems, per_program)
         _copy(out_ptr + lo, ccd.lsa_peer_ptr(stage_ptr + lo, win, r, devcomm), count, BLOCK)
         r += 1
+    tr = vd.next_span(tr, ALLREDUCE.done)
     _finish(devcomm, ticket_ptr, 2 * P)
+    tr = vd.end(tr, ALLREDUCE.done)
+    tr = vd.end(tr, ALLREDUCE.kernel)
+    vd.close_trace(tr)
 
 
-@aot_variants(_gather_variants())
+@aot_variants(vd.traced_variants(_gather_variants(), traced=2 * len(WORD_TYPES)))
 @triton.jit
 def gather_kernel(
     # pointers (words): input, output, this rank's staging region (small: both halves; large)
@@ -291,24 +328,34 @@ def gather_kernel(
     # the large protocol (wait at DONE first, arrive at DONE last); elements per step
     LARGE: tl.constexpr,
     BLOCK: tl.constexpr,
+    # trace buffer (mori.viz) when TRACE; None otherwise
+    trace_ptr=None,
+    TRACE: tl.constexpr = False,
 ):
     """All-gather / all-to-all by pulls. Program k stages slice k of every input block, syncs
     READY(k), then copies slice k of block ``src_block`` of every rank's staging into output block
     ``rank``."""
+    tr = vd.open_trace(trace_ptr, TRACE)
+    tr = vd.begin(tr, GATHER.kernel)
     k = tl.program_id(0)
     P = tl.num_programs(0)
     if LARGE:
+        tr = vd.begin(tr, GATHER.wait_done)
         ccd.lsa_barrier_wait(devcomm, 2 * P)
+        tr = vd.end(tr, GATHER.wait_done)
         base = stage_ptr
     else:
         base = stage_ptr + ((ccd.lsa_barrier_epoch(devcomm, k) + 1) % 2) * half_elems
+    tr = vd.begin(tr, GATHER.stage)
     n_in = in_blocks * block_elems
     b = tl.cast(0, tl.int64)
     while b < in_blocks:
         lo, count = _slice(b, k, n_in, block_elems, per_program)
         _copy(base + lo, inp_ptr + lo, count, BLOCK)
         b += 1
+    tr = vd.next_span(tr, GATHER.ready)
     ccd.lsa_barrier_sync(devcomm, k)
+    tr = vd.next_span(tr, GATHER.pull)
     n = ccd.lsa_size(devcomm)
     lo, count = _slice(src_block, k, n_in, block_elems, per_program)
     p = tl.cast(0, tl.int64)
@@ -316,8 +363,13 @@ def gather_kernel(
         dst = out_ptr + p * block_elems + (lo - src_block * block_elems)
         _copy(dst, ccd.lsa_peer_ptr(base + lo, win, p, devcomm), count, BLOCK)
         p += 1
+    tr = vd.end(tr, GATHER.pull)
     if LARGE:
+        tr = vd.begin(tr, GATHER.done)
         _finish(devcomm, ticket_ptr, 2 * P)
+        tr = vd.end(tr, GATHER.done)
+    tr = vd.end(tr, GATHER.kernel)
+    vd.close_trace(tr)
 
 
 @aot_variants(

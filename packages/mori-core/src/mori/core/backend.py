@@ -277,7 +277,11 @@ class NetworkTransport(Transport):
 
 
 class NicProvider(ABC):
-    """Host-side driver for one family of RDMA NICs (mlx5, bnxt, ionic, ...)."""
+    """Host-side driver for one family of RDMA NICs (mlx5, bnxt, ionic, ...).
+
+    NIC plugins return :class:`mori.core.nic.VendorNicProvider` objects: one data descriptor
+    (:class:`mori.core.nic.NicVendor`) each, from which core reads sysfs, selects devices and
+    configures the network transports."""
 
     name: str
     description: str = ""

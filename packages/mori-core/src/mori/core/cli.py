@@ -82,6 +82,43 @@ def _suites(plugins: Plugins) -> dict[str, BenchSuite]:
     return suites
 
 
+def _installed(dist: str) -> bool:
+    try:
+        import importlib.metadata as md
+
+        md.distribution(dist)
+    except Exception:
+        return False
+    return True
+
+
+def _add_missing_suites(
+    bench_sub: argparse._SubParsersAction[argparse.ArgumentParser], found: dict[str, BenchSuite]
+) -> None:
+    """``mori bench ep`` without mori-ep: say which distribution to install, not "invalid choice".
+
+    A component's suite has the component's name (``mori-ep`` -> ``ep``)."""
+    import mori
+
+    for component, dist in sorted(mori.COMPONENTS.items()):
+        if component in found or dist == "mori-core" or dist != f"mori-{component}":
+            continue
+        why = (
+            f"{dist} is installed but registered no '{component}' suite: `mori backends` lists plugins that failed to load"
+            if _installed(dist)
+            else f"provided by {dist}, which is not installed: pip install {dist}"
+        )
+        # no option prefix: whatever follows (``--tokens 8``) is taken, not refused as unknown
+        sp = bench_sub.add_parser(component, help=f"({why})", add_help=False, prefix_chars="\0")
+        sp.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+
+        def missing(_args: argparse.Namespace, why: str = why, component: str = component) -> int:
+            print(f"mori bench {component}: {why}", file=sys.stderr)
+            return 2
+
+        sp.set_defaults(func=missing)
+
+
 def build_parser(plugins: Plugins | None = None) -> argparse.ArgumentParser:
     plugins = plugins or get_plugins()
     parser = argparse.ArgumentParser(prog="mori", description="MORI: GPU and CPU communication framework.")
@@ -112,6 +149,7 @@ def build_parser(plugins: Plugins | None = None) -> argparse.ArgumentParser:
         return 2
 
     bench.set_defaults(func=list_suites)
+    _add_missing_suites(bench_sub, _suites(plugins))
 
     plugins.call("mori_add_commands", subparsers=sub)
     return parser

@@ -57,6 +57,27 @@ def choice(*allowed: str) -> Callable[[str], str]:
     return parse
 
 
+def _bounded_int(low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip(), 0)
+        except ValueError:
+            raise ValueError(f"expected a whole number from {low} to {high}") from None
+        if not low <= value <= high:
+            raise ValueError(f"expected a whole number from {low} to {high}")
+        return value
+
+    return parse
+
+
+def _device_list(text: str) -> str:
+    # the full syntax check is mori.core.nic.parse_device_filter's; here only what can be told alone
+    from mori.core.nic import parse_device_filter
+
+    parse_device_filter(text)
+    return text.strip()
+
+
 @dataclass(frozen=True)
 class EnvVar(Generic[T]):
     """One environment variable: ``get()`` returns the parsed value or the default."""
@@ -222,6 +243,60 @@ MORI_BENCH_GIT_SHA = EnvVar(
     str,
 )
 
+MORI_RDMA_DEVICES = EnvVar(
+    "MORI_RDMA_DEVICES",
+    None,
+    "RDMA devices MORI may use, as the original: a comma-separated list to include (mlx5_0,mlx5_1; "
+    "NAME:PORT for one port), or ^ and a list to exclude (^mlx5_2). Setting it is also the explicit "
+    "choice that lets the ucx transport use (and listen on) those devices: by default it stays on loopback. "
+    "Default: every device whose NIC plugin is installed.",
+    "mlx5_0,mlx5_1",
+    _device_list,
+    "NAME[:PORT],... to include, ^NAME[:PORT],... to exclude",
+)
+MORI_IB_GID_INDEX = EnvVar(
+    "MORI_IB_GID_INDEX",
+    None,
+    "GID table index of the RDMA ports (RoCE v2 is usually 3). Default: the NIC's or UCX's own choice.",
+    "3",
+    _bounded_int(0, 255),
+    "0-255",
+)
+MORI_RDMA_TC = EnvVar(
+    "MORI_RDMA_TC",
+    None,
+    "Traffic class (DSCP << 2) of RDMA traffic, as the fabric's QoS expects. Default: the NIC's (0).",
+    "104",
+    _bounded_int(0, 255),
+    "0-255",
+)
+MORI_RDMA_SL = EnvVar(
+    "MORI_RDMA_SL",
+    None,
+    "Service level of RDMA traffic (InfiniBand SL, the priority on RoCE). Default: the NIC's (0).",
+    "3",
+    _bounded_int(0, 15),
+    "0-15",
+)
+MORI_DISABLE_TOPO = EnvVar(
+    "MORI_DISABLE_TOPO",
+    "0",
+    "Do not match GPUs to NICs by PCIe distance: GPU i takes active port i modulo the number of active "
+    "ports (the original's static round robin).",
+    "1",
+    parse_bool,
+)
+MORI_CPU_AFFINITY = EnvVar(
+    "MORI_CPU_AFFINITY",
+    "none",
+    "Opt-in CPU affinity of MORI's own threads: numa binds a thread that calls "
+    "mori.core.topology.bind_thread_to_gpu (the proxy and progress threads, where wired) to the CPUs of "
+    "its GPU's NUMA node. Default none: MORI changes no affinity of the host process.",
+    "numa",
+    choice("none", "numa"),
+    "none, numa",
+)
+
 #: every variable mori-core reads, in the order `mori env` prints them
 ALL: tuple[EnvVar[object], ...] = (
     MORI_SHMEM_HEAP_SIZE,  # type: ignore[assignment]
@@ -239,4 +314,10 @@ ALL: tuple[EnvVar[object], ...] = (
     MORI_JIT_CACHE_DIR,
     MORI_DISABLE_JIT,
     MORI_BENCH_GIT_SHA,
+    MORI_RDMA_DEVICES,
+    MORI_IB_GID_INDEX,
+    MORI_RDMA_TC,
+    MORI_RDMA_SL,
+    MORI_DISABLE_TOPO,
+    MORI_CPU_AFFINITY,
 )

@@ -45,7 +45,8 @@ def mori_transports() -> Sequence[Transport]:
 @hookspec
 def mori_nic_providers() -> Sequence[NicProvider]:
     """Return the NIC providers this plugin provides (may be empty). Called like
-    :func:`mori_device_runtimes`."""
+    :func:`mori_device_runtimes`. A NIC plugin returns a :class:`mori.core.nic.VendorNicProvider`
+    made of its vendor's data; only such providers take part in device selection and ``mori check``."""
 
 
 @hookspec

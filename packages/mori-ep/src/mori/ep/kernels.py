@@ -217,23 +217,6 @@ def _pick(vec, lanes, p):
     return tl.sum(tl.where(lanes == p, vec, 0), axis=0)
 
 
-def _with_trace(variants: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    # every variant untraced (TRACE off: the kernel without instrumentation), the first one traced too
-    out = [
-        {
-            **v,
-            "signature": {**v["signature"], "trace_ptr": "*i64"},
-            "constexprs": {**v["constexprs"], "TRACE": False},
-        }
-        for v in variants
-    ]
-    first = out[0]
-    return [
-        *out,
-        {**first, "constexprs": {**first["constexprs"], "TRACE": True}, "label": first["label"] + " traced"},
-    ]
-
-
 def _dispatch_variants() -> list[dict[str, Any]]:
     sig = {
         "inp_ptr": "*i32",
@@ -295,7 +278,7 @@ def _dispatch_variants() -> list[dict[str, Any]]:
     return out
 
 
-@aot_variants(_with_trace(_dispatch_variants()))
+@aot_variants(vd.traced_variants(_dispatch_variants()))
 @triton.jit
 def dispatch_kernel(
     # this rank's tokens: rows of words [N, >= row_words], weights fp32 [N, K], scales bytes
@@ -487,7 +470,7 @@ def dispatch_kernel(
 
 
 @aot_variants(
-    _with_trace(
+    vd.traced_variants(
         [
             {
                 "signature": {"ctrl_ptr": "*i64", "total_ptr": "*i32", "replay_total_ptr": "*i32"},
@@ -663,7 +646,7 @@ def _combine_variants() -> list[dict[str, Any]]:
     return out
 
 
-@aot_variants(_with_trace(_combine_variants()))
+@aot_variants(vd.traced_variants(_combine_variants()))
 @triton.jit
 def combine_kernel(
     # expert outputs, row i for received row i: words [>= total, >= row_words] (copied to the
@@ -1082,7 +1065,7 @@ def _flag_chunk(c, epoch, flag_ptr, n_chunks, ctx_ptr, W: tl.constexpr):
             shd.signal_op(flag_ptr + me * n_chunks + c, epoch, shd.SIGNAL_SET, p, ctx_ptr)
 
 
-@aot_variants(_with_trace(_combine_push_variants()))
+@aot_variants(vd.traced_variants(_combine_push_variants()))
 @triton.jit
 def combine_push_kernel(
     # expert outputs, row i for received row i: as words [>= n_inp_rows, >= row_words] and typed

@@ -48,7 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from mori.core import bench
-from mori.core.env import parse_size
+from mori.core.env import parse_positive_float, parse_size
+from mori.core.errors import MoriError
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_BLOCKS = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB]
@@ -60,6 +61,13 @@ MIN_ITERS, MAX_ITERS = 5, 1000
 GPU_BATCH, GPU_BATCH_BLOCK = 128, 16 * KiB
 #: how long the target waits for the initiator's next message
 TARGET_TIMEOUT_S = 1800.0
+#: default of --timeout: how long the initiator waits for a bench process's answer
+PEER_TIMEOUT_S = 120.0
+
+
+class BenchPeerError(MoriError, RuntimeError):
+    """A process of the benchmark (the target, or NIXL's initiator) exited or did not answer within
+    ``--timeout`` seconds. Its own error, if it printed one, is above this message."""
 
 
 def _sizes(text: str) -> list[int]:
@@ -167,6 +175,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ucx-tls",
         default=None,
         help="cpu: force UCX_TLS for NIXL (e.g. tcp); default: UCX's own choice (UCX_TLS as in the environment)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=parse_positive_float,
+        default=PEER_TIMEOUT_S,
+        help=f"seconds to wait for an answer of the target process (start included) before failing "
+        f"(default {PEER_TIMEOUT_S:.0f}); a target that exits fails the run at once",
     )
     p.add_argument(
         "--json", default=None, help="where to write the JSON record (default bench-results/io-DEVICE.json)"
@@ -373,18 +388,62 @@ def _make_nixl(name: str, buf: Any, progress_thread: bool = True) -> tuple[Any, 
         return None, f"nixl agent creation failed: {type(e).__name__}: {e}"
 
 
+class Peer:
+    """The initiator's end of the pipe to a bench process: every answer is awaited at most
+    ``timeout_s`` seconds, and a process that has exited fails the wait at once (a pipe alone would
+    wait forever: this process holds both of its ends)."""
+
+    def __init__(self, name: str, conn: Any, proc: Any, timeout_s: float) -> None:
+        self.name, self.conn, self.proc, self.timeout_s = name, conn, proc, timeout_s
+
+    def lost(self, what: str) -> BenchPeerError:
+        return BenchPeerError(
+            f"mori bench io: the {self.name} process exited with code {self.proc.exitcode} while the "
+            f"initiator waited for {what} (its error, if it printed one, is above)"
+        )
+
+    def send(self, msg: Any) -> None:
+        try:
+            self.conn.send(msg)
+        except OSError as e:
+            raise self.lost(f"it to take {msg[0]!r}") from e
+
+    def recv(self, what: str = "an answer", timeout_s: float | None = None) -> Any:
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        while not self.conn.poll(0.1):
+            if not self.proc.is_alive():
+                if self.conn.poll(0):  # it answered, then exited
+                    break
+                raise self.lost(what)
+            if time.monotonic() > deadline:
+                raise BenchPeerError(
+                    f"mori bench io: the {self.name} process (pid {self.proc.pid}) did not answer within "
+                    f"{limit:g} s (--timeout) while the initiator waited for {what}"
+                )
+        try:
+            return self.conn.recv()
+        except EOFError as e:
+            raise self.lost(what) from e
+
+    def ask(self, *msg: Any) -> Any:
+        """Send ``msg`` and return the answer."""
+        self.send(msg)
+        return self.recv(f"its answer to {msg[0]!r}")
+
+    def stop(self, failed: bool) -> None:
+        """Join the process; at once (kill) when the run failed, else after up to 30 s."""
+        if not failed:
+            self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+
+
 def await_target(conn: Any, proc: Any, timeout_s: float) -> Any:
-    """The target's first message; SystemExit if it exits first (with its exit code) or stays silent."""
-    deadline = time.monotonic() + timeout_s
-    while not conn.poll(0.2):
-        if not proc.is_alive():
-            raise SystemExit(
-                f"mori bench io: the target process exited with code {proc.exitcode} before it was ready "
-                "(its error is printed above)"
-            )
-        if time.monotonic() > deadline:
-            raise SystemExit(f"mori bench io: the target process was not ready within {timeout_s:.0f} s")
-    return conn.recv()
+    """The target's first message; :class:`BenchPeerError` if it exits first (with its exit code)
+    or stays silent for ``timeout_s`` seconds."""
+    return Peer("target", conn, proc, timeout_s).recv("its first message (ready)")
 
 
 def _exit_without_teardown(code: int) -> None:
@@ -542,22 +601,28 @@ class _Nixl:
     agent (through the target's pipe)."""
 
     def __init__(
-        self, ctx: Any, target: Any, nbytes: int, env: dict[str, str], progress_thread: bool, buffers: str
+        self,
+        ctx: Any,
+        target: Peer,
+        nbytes: int,
+        env: dict[str, str],
+        progress_thread: bool,
+        buffers: str,
     ) -> None:
         self.target = target
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_nixl_initiator, args=(child, nbytes, env, progress_thread, buffers))
-        self.proc.start()
-        _, self.huge = await_target(self.conn, self.proc, 120.0)
+        conn, child = ctx.Pipe()
+        proc = ctx.Process(target=_nixl_initiator, args=(child, nbytes, env, progress_thread, buffers))
+        proc.start()
+        self.peer = Peer("NIXL initiator", conn, proc, target.timeout_s)
+        self.proc = proc
+        _, self.huge = self.peer.recv("its first message (ready)")
 
     def _ask(self, *msg: Any) -> Any:
-        self.conn.send(msg)
-        return await_target(self.conn, self.proc, TARGET_TIMEOUT_S)
+        return self.peer.ask(*msg)
 
     def up(self, remote_addr: int) -> str:
         """Create and connect both agents; ``""`` or why not."""
-        self.target.send(("nixl_up",))
-        meta, why = self.target.recv()
+        meta, why = self.target.ask("nixl_up")
         if meta is None:
             return str(why)
         why = self._ask("up", meta, remote_addr)
@@ -567,8 +632,7 @@ class _Nixl:
 
     def verify(self, n: int) -> bool:
         mine = self._ask("write", n)
-        self.target.send(("digest", 0, n))
-        wrote = self.target.recv() == mine
+        wrote = self.target.ask("digest", 0, n) == mine
         return bool(wrote and self._ask("read_back", n))
 
     def measure(self, pts: Sequence[tuple[str, int, int]], iters: int) -> dict[Any, Any]:
@@ -577,22 +641,19 @@ class _Nixl:
 
     def down(self) -> None:
         self._ask("down")
-        self.target.send(("nixl_down",))
-        self.target.recv()
+        self.target.ask("nixl_down")
 
     def stop(self) -> None:
         try:
             self._ask("stop")
         finally:
-            self.proc.join(30)
-            if self.proc.is_alive():
-                self.proc.kill()
+            self.peer.stop(failed=False)
 
 
 class _CpuInitiator:
     """The initiator's mori side: an engine and a registered buffer in the ``mori`` process."""
 
-    def __init__(self, args: argparse.Namespace, conn: Any, hello: dict[str, Any], nbytes: int) -> None:
+    def __init__(self, args: argparse.Namespace, conn: Peer, hello: dict[str, Any], nbytes: int) -> None:
         import torch
 
         from mori.io import EngineDesc, MemoryDesc
@@ -606,8 +667,7 @@ class _CpuInitiator:
         self.local = self.engine.register_torch_tensor(self.buf)
         self.remote = MemoryDesc.unpack(hello["mem"])
         self.engine.register_remote_engine(EngineDesc.unpack(hello["engine"]))
-        conn.send(("peer", self.engine.get_engine_desc().pack()))
-        conn.recv()
+        conn.ask("peer", self.engine.get_engine_desc().pack())
         self.session = self.engine.create_session(self.local, self.remote)
         if args.mode == "session" and self.session is None:
             raise SystemExit("mori bench io: create_session returned None for the TCP path")
@@ -640,8 +700,7 @@ class _CpuInitiator:
         self.buf[n : 2 * n].zero_()
         st = self.engine.write(self.local, 0, self.remote, 0, n, self.engine.allocate_transfer_uid())
         self.mori_wait(st)
-        self.conn.send(("digest", 0, n))
-        wrote = self.conn.recv() == _digest(self.buf[:n].numpy())
+        wrote = self.conn.ask("digest", 0, n) == _digest(self.buf[:n].numpy())
         st = self.engine.read(self.local, n, self.remote, 0, n, self.engine.allocate_transfer_uid())
         self.mori_wait(st)
         return bool(wrote and bool((self.buf[n : 2 * n] == self.buf[:n]).all()))
@@ -668,8 +727,14 @@ def _measure_cpu(
                 for op, block, batch in pts:
                     iters = iterations(block * batch, args.iters)
                     post = ini.mori_post(op, block, batch)
-                    time_transfers(post, ini.mori_wait, max(2, iters // 10))
-                    reps["mori"][(op, block, batch)].append(time_transfers(post, ini.mori_wait, iters))
+                    try:
+                        time_transfers(post, ini.mori_wait, max(2, iters // 10))
+                        reps["mori"][(op, block, batch)].append(time_transfers(post, ini.mori_wait, iters))
+                    except RuntimeError as e:  # a transfer failed: because the target is gone?
+                        ini.conn.proc.join(2.0)  # the engine may see it gone before it is reaped
+                        if not ini.conn.proc.is_alive():
+                            raise ini.conn.lost(f"a {op} of {batch} x {block} B") from e
+                        raise
             elif nixl is not None and not why_not:
                 why_not = nixl.up(ini.remote_addr)
                 if why_not:
@@ -783,14 +848,16 @@ def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
         env["UCX_LOG_LEVEL"] = "info"
         env["UCX_LOG_FILE"] = os.path.join(log_dir, "ucx.%p.log")
     ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
+    conn, child = ctx.Pipe()
     proc = ctx.Process(
         target=_target, args=(child, nbytes, args.tcp_cma == "on", args.nixl == "on", env, args.buffers)
     )
     proc.start()
+    parent = Peer("target", conn, proc, args.timeout)
     nixl: _Nixl | None = None
+    failed = True
     try:
-        hello = await_target(parent, proc, 120.0)
+        hello = parent.recv("its first message (ready)")
         ini = _CpuInitiator(args, parent, hello, nbytes)
         why_not = str(hello["nixl_error"])
         if not why_not:
@@ -830,14 +897,12 @@ def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
         ini.engine.shutdown()
         if nixl is not None:
             nixl.stop()
-        parent.send(("stop",))
-        parent.recv()
+        parent.ask("stop")
+        failed = False
     finally:
-        for p in (proc, nixl.proc if nixl is not None else None):
+        for p in (parent, nixl.peer if nixl is not None else None):
             if p is not None:
-                p.join(30)
-                if p.is_alive():
-                    p.kill()
+                p.stop(failed)
     transports = ucx_transports(log_dir)
     info = {
         "route": route,
@@ -927,11 +992,13 @@ def run_gpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
         )
     nbytes = args.max_bytes
     ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
+    conn, child = ctx.Pipe()
     proc = ctx.Process(target=_gpu_target, args=(child, nbytes))
     proc.start()
+    parent = Peer("target", conn, proc, max(args.timeout, 300.0))  # CUDA start-up is slower
+    failed = True
     try:
-        hello = await_target(parent, proc, 300.0)
+        hello = parent.recv("its first message (ready)")
         torch.cuda.set_device(0)
         dev0, dev1 = torch.device("cuda", 0), torch.device("cuda", 1)
         buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev0)
@@ -940,8 +1007,7 @@ def run_gpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
         local = engine.register_torch_tensor(buf)
         remote = MemoryDesc.unpack(hello["mem"])
         engine.register_remote_engine(EngineDesc.unpack(hello["engine"]))
-        parent.send(("peer", engine.get_engine_desc().pack()))
-        parent.recv()
+        parent.ask("peer", engine.get_engine_desc().pack())
         route = str(engine._route_name(local, remote))
         sess = engine.create_session(local, remote)
         if sess is None:
@@ -950,8 +1016,7 @@ def run_gpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
         n = min(4 * MiB, nbytes // 2)
         st = engine.write(local, 0, remote, 0, n, engine.allocate_transfer_uid())
         _CpuInitiator.mori_wait(st)
-        parent.send(("digest", 0, n))
-        wrote = parent.recv() == _digest(buf[:n].cpu().numpy())
+        wrote = parent.ask("digest", 0, n) == _digest(buf[:n].cpu().numpy())
         st = engine.read(local, n, remote, 0, n, engine.allocate_transfer_uid())
         _CpuInitiator.mori_wait(st)
         torch.cuda.synchronize()
@@ -1064,13 +1129,11 @@ def run_gpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
                     f"mori with one copy per block {mc['median_lat_us']:.1f} us; "
                     f"{GPU_BATCH} x copy_ median {c['median_lat_us']:.1f} us"
                 )
-        parent.send(("stop",))
-        parent.recv()
+        parent.ask("stop")
         engine.shutdown()
+        failed = False
     finally:
-        proc.join(60)
-        if proc.is_alive():
-            proc.kill()
+        parent.stop(failed)
     info = {"route": route, "mode": args.mode, "verified": verified, "gpu": torch.cuda.get_device_name(0)}
     print(f"verified byte-exact ({bench.human_bytes(n)} write + read back): {verified}")
     return info, rows + lat_rows

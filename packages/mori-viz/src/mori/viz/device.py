@@ -76,6 +76,7 @@ __all__ = [
     "next_span",
     "open_trace",
     "timestamp",
+    "traced_variants",
 ]
 
 _H_RINGS = tl.constexpr(layout.H_RINGS)
@@ -201,6 +202,27 @@ def next_span(tr, SLOT: tl.constexpr):
 def instant(tr, SLOT: tl.constexpr):
     """Record an instant event of ``SLOT`` (a point in time: "sent", "received"); returns the state."""
     return _record(tr, _INSTANT, SLOT)
+
+
+def traced_variants(variants: list[dict[str, Any]], traced: int = 1) -> list[dict[str, Any]]:
+    """The ahead-of-time variants (``mori.core.kernels.aot_variants``) of an instrumented kernel
+    whose last arguments are ``trace_ptr=None, TRACE: tl.constexpr = False``: every variant as a
+    launch with tracing off passes it (``trace_ptr`` left at None, which Triton specialises as a
+    constexpr, ``TRACE=False``), and the first ``traced`` of them as a launch with a
+    :class:`~mori.viz.TraceBuffer` passes it (``trace_ptr`` an aligned int64 tensor, ``TRACE=True``).
+    Declaring ``trace_ptr`` as a pointer in an untraced variant compiles code no launch looks up."""
+    off = [{**v, "constexprs": {**v["constexprs"], "trace_ptr": None, "TRACE": False}} for v in variants]
+    on = [
+        {
+            **v,
+            "signature": {**v["signature"], "trace_ptr": "*i64"},
+            "constexprs": {**v["constexprs"], "TRACE": True},
+            "aligned": (*v.get("aligned", ()), "trace_ptr"),
+            "label": v.get("label", "") + " traced",
+        }
+        for v in variants[:traced]
+    ]
+    return off + on
 
 
 @device_function
