@@ -106,12 +106,17 @@ LAYOUTS = [pytest.param(4, 2, id="2x2"), pytest.param(8, 4, id="2x4")]
 @pytest.mark.parametrize("transport", _network_transports())
 @pytest.mark.parametrize(("world", "g"), LAYOUTS)
 def test_suite_across_nodes(world: int, g: int, transport: str) -> None:
-    # every type on 2 x 2 over tcp with the quantised combines and fnuz; the rest keeps CI short:
-    # V1 (hierarchical) and InterNode (direct) everywhere, V1LL shares V1's path
-    small = world == 4 and transport == "tcp"
-    kinds = ["InterNodeV1", "InterNode", "InterNodeV1LL"] if small else ["InterNodeV1", "InterNode"]
+    # every type on 2 x 2 over tcp; the rest keeps CI short: V1 (hierarchical) and InterNode
+    # (direct) at 2 x 2 over ucx and 2 x 4 over tcp, V1 at 2 x 4 over ucx (V1LL shares V1's path);
+    # the quantised combines and fnuz dispatch at 2 x 2
+    kinds = {
+        (4, "tcp"): ["InterNodeV1", "InterNode", "InterNodeV1LL"],
+        (4, "ucx"): ["InterNodeV1", "InterNode"],
+        (8, "tcp"): ["InterNodeV1", "InterNode"],
+        (8, "ucx"): ["InterNodeV1"],
+    }[(world, transport)]
     env = {"MORI_FP8_COMBINE_SCALE_DIM": "4"}
-    assert _launch(_suite, world, g, transport, kinds, small or world == 4, env=env) == ["ok"] * world
+    assert _launch(_suite, world, g, transport, kinds, world == 4, env=env) == ["ok"] * world
 
 
 def _agreement(rank: int, world: int, g: int) -> list[str]:

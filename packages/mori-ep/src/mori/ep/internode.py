@@ -365,8 +365,8 @@ class InterNodeHost:
                     if off + cq > op._r:
                         overflow.append(q)
                         continue
-                    slots = torch.arange(off, off + cq)
-                    relay_slot[slot, js, fi] = slots.to(torch.int32)
+                    relay_slot[slot, js, fi] = torch.arange(off, off + cq, dtype=torch.int32)
+                    slots: Any = slice(off, off + cq)  # (a contiguous range: copies, no scatter)
                 else:
                     js = (want_slot[slot, :c, fi] >= 0).nonzero().flatten()
                     if js.numel() == 0:
@@ -450,16 +450,18 @@ class InterNodeHost:
             rows = None
             if c:
                 toks = tok[slot, :c].long()
-                acc = torch.zeros(c, h, dtype=torch.float32)
-                acc_w = None if weights is None else torch.zeros(c, k, dtype=torch.float32)
-                for fi in range(len(self.fan)):
-                    js = (slot_tab[slot, :c, fi] >= 0).nonzero().flatten()
-                    if js.numel() == 0:
-                        continue
-                    part = self.cst[slot, :, fi, :nb][toks[js]]
-                    acc.index_add_(0, js, part.view(input.dtype).float())
-                    if acc_w is not None:
-                        acc_w.index_add_(0, js, self.cst_w[slot, :, fi][toks[js]])
+                nfan, rp = len(self.fan), self.cst.shape[-1]
+                # every contribution to these tokens, gathered as whole rows (8-byte words), then
+                # summed in fp32 over the ranks that received the token, in fan order
+                absent = (slot_tab[slot, :c, :] < 0)[:, :, None]
+                words = self.cst[slot].view(torch.int64).view(op._m, nfan * rp // 8)
+                part = words.index_select(0, toks).view(torch.uint8).view(c, nfan, rp)[:, :, :nb]
+                vals = part.contiguous().view(input.dtype).float().masked_fill_(absent, 0.0)
+                acc = vals.sum(1)
+                acc_w = None
+                if weights is not None:
+                    wv = self.cst_w[slot].index_select(0, toks).masked_fill_(absent, 0.0)
+                    acc_w = wv.sum(1)
                 # (inbound stream ``si`` goes back from staging buffer ``si``: the lists mirror each
                 # other, and the dispatch's staging rows are sent and free)
                 rows = self.xout[si, : c * stride].view(c, stride)

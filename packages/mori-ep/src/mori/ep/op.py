@@ -930,8 +930,8 @@ class EpDispatchCombineOp:
                 if off + cnt > self._r:
                     overflow.append(p)
                     continue
-                slots = torch.arange(off, off + cnt)
-                dest_slot[p, toks] = slots.to(torch.int32)
+                dest_slot[p, toks] = torch.arange(off, off + cnt, dtype=torch.int32)
+                slots: Any = slice(off, off + cnt)  # (a contiguous range: copies, no scatter)
             else:
                 toks = (dest_slot[p, :n] >= 0).nonzero().flatten()
                 if toks.numel() == 0:
