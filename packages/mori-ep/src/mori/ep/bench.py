@@ -115,13 +115,14 @@ def mori_bench_suites() -> Sequence[BenchSuite]:
 
 @hookimpl
 def mori_env_vars() -> Sequence[EnvVar[Any]]:
-    from mori.ep import deepep, tuning
+    from mori.ep import deepep, internode, tuning
 
     return [
         tuning.MORI_EP_LAUNCH_CONFIG_MODE,
         tuning.MORI_EP_TUNING_CONFIG,
         tuning.MORI_EP_PUSH_CHUNK,
         deepep.MORI_EP_DEEPEP_RECV_VIEWS,
+        internode.MORI_NUM_QP_PER_PE,
     ]
 
 

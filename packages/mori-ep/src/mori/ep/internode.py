@@ -314,7 +314,7 @@ class InterNodeHost:
             if c:
                 rows = self.xout[si, : c * stride].view(c, stride)
                 _, (dst, src) = _words(nb, rows, inp_b)
-                dst.copy_(src[toks])
+                op._copy_rows(dst, slice(0, c), src, toks)
                 if weights is not None:
                     rows[:, off_w : off_w + 4 * k].view(torch.float32).copy_(weights[toks])
                 if sc_b is not None:
@@ -375,7 +375,7 @@ class InterNodeHost:
                     if int(slots.max()) >= op._r:
                         raise MoriStateError(f"{func}: the routing handle names rows beyond the receive buffers")
                 _, (dst, src) = _words(nb, op._p_tok[q], rows)
-                dst[slots] = src[js]
+                op._copy_rows(dst, slots, src, js)
                 if weights is not None:
                     op._p_w[q][slots] = rows[:, off_w : off_w + 4 * k].view(torch.float32)[js]
                 else:
@@ -407,10 +407,11 @@ class InterNodeHost:
         """Push this rank's output rows ``rows`` (sources on other nodes) into their relays' staging."""
         from mori.ep.op import _words
 
+        op = self.op
         h = input.shape[1]
         nb = h * input.element_size()
         inp_b = input.view(torch.uint8)
-        fi = self.fan_index(self.op.rank)
+        fi = self.fan_index(op.rank)
         relays = torch.tensor([self.relay_for(int(s)) for s in range(self.op.world_size)])[src_rank]
         slots = torch.tensor([self.slot_of(int(s)) for s in range(self.op.world_size)])[src_rank]
         m = self.op._m
@@ -421,9 +422,26 @@ class InterNodeHost:
             flat = slots[sel] * m + src_tok[sel]
             cst = self.p_cst[v].view(self.n_slots * m, len(self.fan), -1)[:, fi, :]
             _, (dst, src) = _words(nb, cst, inp_b)
-            dst[flat] = src[rows[sel]]
+            op._copy_rows(dst, flat, src, rows[sel])
             if weights is not None:
                 self.p_cst_w[v].view(self.n_slots * m, len(self.fan), -1)[:, fi, :][flat] = weights[rows[sel]]
+
+    def zero_absent(self, handle: EpDispatchRoutingHandle) -> None:
+        """Zero this relay's staging rows that no rank of its node writes in the coming combine
+        (a token of a stream that fan member ``f`` did not receive), before the ready signal."""
+        assert handle.relay is not None
+        cnt, tok, slot_tab = handle.relay
+        for src_rank in self.in_src:
+            slot = self.slot_of(src_rank)
+            c = int(cnt[slot])
+            if c == 0:
+                continue
+            toks = tok[slot, :c].long()
+            for fi in range(len(self.fan)):
+                js = (slot_tab[slot, :c, fi] < 0).nonzero().flatten()
+                if js.numel():
+                    self.cst[slot, :, fi].index_fill_(0, toks[js], 0)
+                    self.cst_w[slot, :, fi].index_fill_(0, toks[js], 0.0)
 
     def relay_combine(
         self,
@@ -450,23 +468,28 @@ class InterNodeHost:
             rows = None
             if c:
                 toks = tok[slot, :c].long()
-                nfan, rp = len(self.fan), self.cst.shape[-1]
-                # every contribution to these tokens, gathered as whole rows (8-byte words), then
-                # summed in fp32 over the ranks that received the token, in fan order
-                absent = (slot_tab[slot, :c, :] < 0)[:, :, None]
-                words = self.cst[slot].view(torch.int64).view(op._m, nfan * rp // 8)
-                part = words.index_select(0, toks).view(torch.uint8).view(c, nfan, rp)[:, :, :nb]
-                vals = part.contiguous().view(input.dtype).float().masked_fill_(absent, 0.0)
-                acc = vals.sum(1)
+                # every token's contributions summed in fp32 in fan order, over whole blocks of
+                # rows: a rank that did not receive a token of the stream has a zeroed row there
+                # (zero_absent); the rows of tokens not in the stream are summed and not sent
+                span = int(toks[-1]) + 1  # (toks ascend)
+                part = self.cst[slot, :span, :, :nb].view(input.dtype)
+                acc_all = op._scratch("relay_acc", span * h, torch.float32).view(span, h)
+                acc_all.copy_(part[:, 0])
+                for fi in range(1, len(self.fan)):
+                    acc_all.add_(part[:, fi])
                 acc_w = None
                 if weights is not None:
-                    wv = self.cst_w[slot].index_select(0, toks).masked_fill_(absent, 0.0)
-                    acc_w = wv.sum(1)
+                    acc_w = self.cst_w[slot, :span].sum(1).index_select(0, toks)
+                if span == c:  # every token up to the last one: no gather
+                    acc = acc_all
+                else:
+                    acc = op._scratch("relay_rows", c * h, torch.float32).view(c, h)
+                    torch.index_select(acc_all, 0, toks, out=acc)
                 # (inbound stream ``si`` goes back from staging buffer ``si``: the lists mirror each
                 # other, and the dispatch's staging rows are sent and free)
                 rows = self.xout[si, : c * stride].view(c, stride)
                 if quant == "none":
-                    rows[:, :nb].copy_(acc.to(input.dtype).view(torch.uint8))
+                    rows[:, :nb].view(input.dtype).copy_(acc)
                 else:
                     q, sc = op._quantise(acc.to(torch.bfloat16))
                     rows[:, :nbw].copy_(q)
@@ -508,7 +531,13 @@ class InterNodeHost:
                 continue
             rows = self.xin[slot, : c * stride].view(c, stride)
             if quant == "none":
-                vals = rows[:, :nbw].contiguous().view(out_dtype).float()
+                if int(toks[-1]) == c - 1:  # the first c tokens, all of them: add in place
+                    acc[:c].add_(rows[:, :nbw].view(out_dtype))
+                    if acc_w is not None:
+                        acc_w[:c].add_(rows[:, off_w : off_w + 4 * op._k].view(torch.float32))
+                    continue
+                vals = op._scratch("stream_rows", c * h, torch.float32).view(c, h)
+                vals.copy_(rows[:, :nbw].view(out_dtype))
             elif quant == "fp4_blockwise":
                 sc = rows[:, off_s : off_s + 4 * nblk].contiguous().view(torch.float32)
                 vals = fp4.dequantise(rows[:, :nbw].contiguous(), sc, op._quant_block)

@@ -297,8 +297,11 @@ class EpDispatchCombineOp:
 
     Available kernel types: ``IntraNode``, ``IntraNodeLL`` (the same host path) and ``AsyncLL``
     (``dispatch``/``dispatch_send`` only send; ``dispatch_recv`` waits and finalises; likewise
-    combine). The multi-node types need a network transport and raise
-    :class:`~mori.core.errors.MoriBackendError`.
+    combine), on the ranks of one node; ``InterNode``, ``InterNodeV1`` and ``InterNodeV1LL``
+    across nodes (``config.gpu_per_node`` ranks each) on the cpu runtime's host path, the legs to
+    other nodes through the SHMEM network transport (:mod:`mori.ep.internode`). On a GPU heap the
+    inter-node types raise :class:`~mori.core.errors.MoriBackendError`: their device-initiated
+    traffic needs the proxy (issue 14).
     """
 
     def __init__(self, config: EpDispatchCombineConfig, *, impl: str = "auto") -> None:
@@ -345,6 +348,7 @@ class EpDispatchCombineOp:
             raise bad_value(func, "config.rank", config.rank, f"shmem_mype() = {mype}")
         self.rank, self.world_size = mype, npes
         self._inter: internode.InterNodeHost | None = None  # the inter-node legs (made below)
+        self._scratch_bufs: dict[str, torch.Tensor] = {}
         # every rank's wire-shaping config, compared before any other symmetric allocation (whose
         # sizes depend on it): a difference is reported by field name on every rank
         # (rows: 0 the config, 1-2 dispatch calls and 3-4 combine calls by parity; every row is
@@ -938,7 +942,7 @@ class EpDispatchCombineOp:
                     continue
                 slots = dest_slot[p, toks].long()
             _, (dst, src) = _words(nb, self._p_tok[p], inp_b)
-            dst[slots] = src[toks]
+            self._copy_rows(dst, slots, src, toks)
             self._p_w[p][slots] = wts[toks]
             if sc_b is not None:
                 self._p_scales[p][:, :sb][slots] = sc_b[toks]
@@ -1200,7 +1204,18 @@ class EpDispatchCombineOp:
         self._comb_epoch += 1
         row = 3 + self._comb_epoch % 2
         self._post_call_words(row, _combine_words(input, weights, external))
-        self._signal_all(3 * w + 2)  # our staging buffer is free: the previous combine was summed
+        # rows no peer writes in this call are zeroed, so the sums can add whole blocks of rows
+        # (our staging is free: the previous combine was summed)
+        if quant == "none":
+            n_tok = handle.num_tokens
+            for p in range(w) if self._inter is None else self._inter.local:
+                absent = (handle.dest_slot[p, :n_tok] < 0).nonzero().flatten()
+                if absent.numel():
+                    self._stage_tok[p].index_fill_(0, absent, 0)
+                    self._stage_w[p].index_fill_(0, absent, 0.0)
+        if self._inter is not None:
+            self._inter.zero_absent(handle)
+        self._signal_all(3 * w + 2)  # our staging buffer is free
         self._wait_all(func, 3 * w + 2, self._comb_epoch)
         err = self._exchange(
             func, "each combine call's arguments", agreement.COMBINE_FIELDS, row, (), barrier=False
@@ -1215,7 +1230,7 @@ class EpDispatchCombineOp:
                 continue
             toks = src_tok[rows]
             _, (dst, src) = _words(nb, self._p_stage_tok[p][rank], inp_b)
-            dst[toks] = src[rows]
+            self._copy_rows(dst, toks, src, rows)
             if scales is not None:
                 assert self._p_stage_sc is not None
                 self._p_stage_sc[p][rank, :, : scales.shape[1]][toks] = scales[rows]
@@ -1283,15 +1298,18 @@ class EpDispatchCombineOp:
         n, h = handle.num_tokens, out.shape[1]
         quant = self.config.quant_type
         nb = {"none": h * out.element_size(), "fp4_blockwise": h // 2}.get(quant, h)
-        acc = torch.zeros(n, h, dtype=torch.float32)
+        acc = self._scratch("acc", n * h, torch.float32).view(n, h).zero_()
         acc_w = None if out_w is None else torch.zeros(n, self._k, dtype=torch.float32)
         for p in range(self.world_size) if direct is None else direct:  # fixed order: deterministic
             toks = (handle.dest_slot[p, :n] >= 0).nonzero().flatten()
             if toks.numel() == 0:
                 continue
-            if quant == "none":
-                rows = _words(nb, self._stage_tok[p])[1][0][toks].view(out.dtype).float()
-            elif quant == "fp4_blockwise":
+            if quant == "none":  # (rows of tokens not sent to p were zeroed: add them all)
+                acc.add_(_words(nb, self._stage_tok[p])[1][0][:n].view(out.dtype))
+                if acc_w is not None:
+                    acc_w.add_(self._stage_w[p][:n])
+                continue
+            if quant == "fp4_blockwise":
                 assert self._stage_sc is not None
                 packed = self._stage_tok[p, :, :nb][toks]
                 rows = fp4.dequantise(
@@ -1308,9 +1326,41 @@ class EpDispatchCombineOp:
                 acc_w.index_add_(0, toks, self._stage_w[p][toks])
         if self._inter is not None:  # then every other node's sum, node by node
             self._inter.finish_combine(func, handle, out.dtype, h, acc, acc_w, pend["epoch"])
-        out[:n] = acc.to(out.dtype)
+        out[:n].copy_(acc)  # (cast once)
         if out_w is not None and acc_w is not None:
             out_w[:n] = acc_w
+
+    def _scratch(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat host buffer kept between calls (a fresh tensor of tens of MB costs its page
+        faults on every call, more than the arithmetic)."""
+        buf = self._scratch_bufs.get(key)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(max(numel, 1), dtype=dtype)
+            self._scratch_bufs[key] = buf
+        return buf[:numel]
+
+    def _copy_rows(self, dst: torch.Tensor, at: Any, src: torch.Tensor, idx: torch.Tensor) -> None:
+        """``dst[at] = src[idx]`` (``at`` a slice or an int64 index tensor) by row copies:
+        ``index_select`` / ``index_copy_`` run several times faster than advanced indexing."""
+        if isinstance(at, slice) and dst[at].is_contiguous():
+            torch.index_select(src, 0, idx, out=dst[at])
+            return
+        g = self._scratch("copy_rows", idx.numel() * src.shape[1], src.dtype).view(idx.numel(), src.shape[1])
+        torch.index_select(src, 0, idx, out=g)
+        if isinstance(at, slice):
+            dst[at].copy_(g)
+        else:
+            dst.index_copy_(0, at, g)
+
+    def _rows32(self, words: torch.Tensor, toks: torch.Tensor, dtype: torch.dtype, h: int) -> torch.Tensor:
+        """fp32 [len(toks), h]: rows ``toks`` of ``words`` (rows of 8/4/2/1-byte words holding
+        ``h`` elements of ``dtype``), gathered and converted in reusable buffers."""
+        c = toks.numel()
+        g = self._scratch("gather", c * words.shape[1], words.dtype).view(c, words.shape[1])
+        torch.index_select(words, 0, toks, out=g)
+        f = self._scratch("rows32", c * h, torch.float32).view(c, h)
+        f.copy_(g.view(dtype))
+        return f
 
     # -- introspection ---------------------------------------------------------------------------
 
