@@ -53,7 +53,9 @@ SINGLE_NODE: dict[str, Any] = {
 }
 
 
-def _op(impl: str, rank: int, world: int, fam: dict[str, Any] | None = None, **kw: Any) -> EpDispatchCombineOp:
+def _op(
+    impl: str, rank: int, world: int, fam: dict[str, Any] | None = None, **kw: Any
+) -> EpDispatchCombineOp:
     """An operator on ``impl``; the Triton kernels (run by the interpreter here) get 3 programs, so
     token ranges split unevenly and some programs get none. ``fam``: a kernel family like
     :data:`SINGLE_NODE` (its main type unless ``kw`` names one)."""

@@ -575,7 +575,9 @@ def _launch(spec: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
         )
     env["MORI_DEVICE_RUNTIME"] = "cpu"
     split = functools.partial(_set_node, spec["ranks"] // spec["nodes"]) if spec["nodes"] > 1 else None
-    return shmem_ranks(_rank_main, spec["ranks"], spec, heap=heap, timeout=timeout, env=env, before_init=split)
+    return shmem_ranks(
+        _rank_main, spec["ranks"], spec, heap=heap, timeout=timeout, env=env, before_init=split
+    )
 
 
 def _set_node(ranks_per_node: int, rank: int, nranks: int) -> None:

@@ -341,9 +341,7 @@ class InterNodeHost:
                 raise MoriValueError(
                     f"{func}: rank {src_rank} sent source token ids outside [0, {m}) in its stream"
                 )
-            if routing is not None and (
-                c != int(want_cnt[slot]) or not torch.equal(tok, want_tok[slot, :c])
-            ):
+            if routing is not None and (c != int(want_cnt[slot]) or not torch.equal(tok, want_tok[slot, :c])):
                 raise MoriStateError(
                     f"{func}: rank {src_rank} replayed a different layout than the routing handle's "
                     f"({c} rows, the handle has {int(want_cnt[slot])}); replay the same dispatch on every rank"
@@ -373,7 +371,9 @@ class InterNodeHost:
                         continue
                     slots = want_slot[slot, js, fi].long()
                     if int(slots.max()) >= op._r:
-                        raise MoriStateError(f"{func}: the routing handle names rows beyond the receive buffers")
+                        raise MoriStateError(
+                            f"{func}: the routing handle names rows beyond the receive buffers"
+                        )
                 _, (dst, src) = _words(nb, op._p_tok[q], rows)
                 op._copy_rows(dst, slots, src, js)
                 if weights is not None:
@@ -454,13 +454,15 @@ class InterNodeHost:
         """As a relay: sum the node's contributions per token of every inbound stream, send them back."""
         op = self.op
         assert handle.relay is not None
-        cnt, tok, slot_tab = handle.relay
+        cnt, tok, _ = handle.relay
         h = input.shape[1]
         nb = h * input.element_size()
         quant = op.config.quant_type
         nbw = {"none": nb, "fp4_blockwise": h // 2}.get(quant, h)
         nblk = h // op._quant_block if op._quant_block else 0
-        off_w, off_s, stride = self._combine_layout(nbw, weights is not None, nblk if quant.endswith("blockwise") else 0)
+        off_w, off_s, stride = self._combine_layout(
+            nbw, weights is not None, nblk if quant.endswith("blockwise") else 0
+        )
         k = op._k
         for si, src_rank in enumerate(self.in_src):
             slot = self.slot_of(src_rank)
@@ -514,7 +516,9 @@ class InterNodeHost:
 
         op = self.op
         quant = op.config.quant_type
-        nbw = {"none": h * torch.empty(0, dtype=out_dtype).element_size(), "fp4_blockwise": h // 2}.get(quant, h)
+        nbw = {"none": h * torch.empty(0, dtype=out_dtype).element_size(), "fp4_blockwise": h // 2}.get(
+            quant, h
+        )
         nblk = h // op._quant_block if op._quant_block else 0
         blk = nblk if quant.endswith("blockwise") else 0
         off_w, off_s, stride = self._combine_layout(nbw, acc_w is not None, blk)

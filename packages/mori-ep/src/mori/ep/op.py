@@ -264,7 +264,10 @@ class EpDispatchRoutingHandle:
                 or cnt.shape[0] > s
             ):
                 raise bad_value(
-                    func, "tensors[3:]", [tuple(t.shape) for t in tensors[3:]], "the relay tensors of tensors()"
+                    func,
+                    "tensors[3:]",
+                    [tuple(t.shape) for t in tensors[3:]],
+                    "the relay tensors of tensors()",
                 )
             relay = (cnt, tok, slot)
         if dest_slot.dim() != 2 or dest_slot.dtype != torch.int32:
