@@ -33,7 +33,9 @@ _pkg = __name__.rpartition(".")[0]
 td = importlib.import_module(f"{_pkg}.test_dispatch_combine" if _pkg else "test_dispatch_combine")
 ta = importlib.import_module(f"{_pkg}.test_agreement" if _pkg else "test_agreement")
 
-TIMEOUT = 120
+#: generous: 8 ranks on a shared 2-core machine; waits inside the job give up at half of it, naming
+#: the rank they waited for
+TIMEOUT = 300
 
 
 def _family(kt: KT, g: int) -> dict[str, Any]:

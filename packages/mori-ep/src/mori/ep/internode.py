@@ -332,20 +332,35 @@ class InterNodeHost:
             assert routing.relay is not None
             want_cnt, want_tok, want_slot = routing.relay
         e_total = op._e_local * op.world_size
+        # a bad stream is skipped and reported after this rank signalled "done" (by the operator),
+        # so its node does not wait for it
+        errors: list[Exception] = []
         for src_rank in self.in_src:
             slot = self.slot_of(src_rank)
-            c = self._recv(func, src_rank, slot, epoch)
+            try:
+                c = self._recv(func, src_rank, slot, epoch)
+            except MoriValueError as e:
+                errors.append(e)
+                continue
             rows = self.xin[slot, : c * stride].view(c, stride)
             tok = rows[:, off_t : off_t + 4].view(torch.int32).flatten().clone()
-            if c and (int(tok.min()) < 0 or int(tok.max()) >= m):
-                raise MoriValueError(
-                    f"{func}: rank {src_rank} sent source token ids outside [0, {m}) in its stream"
+            if c and (int(tok.min()) < 0 or int(tok.max()) >= m or bool((tok[1:] <= tok[:-1]).any())):
+                errors.append(
+                    MoriValueError(
+                        f"{func}: rank {src_rank} sent source token ids outside [0, {m}) or out of order "
+                        "in its stream"
+                    )
                 )
+                continue
             if routing is not None and (c != int(want_cnt[slot]) or not torch.equal(tok, want_tok[slot, :c])):
-                raise MoriStateError(
-                    f"{func}: rank {src_rank} replayed a different layout than the routing handle's "
-                    f"({c} rows, the handle has {int(want_cnt[slot])}); replay the same dispatch on every rank"
+                errors.append(
+                    MoriStateError(
+                        f"{func}: rank {src_rank} replayed a different layout than the routing handle's "
+                        f"({c} rows, the handle has {int(want_cnt[slot])}); replay the same dispatch on "
+                        "every rank"
+                    )
                 )
+                continue
             relay_cnt[slot] = c
             relay_tok[slot, :c] = tok
             if c == 0:
@@ -386,7 +401,7 @@ class InterNodeHost:
                 op._p_src[q][slots] = src_pos[js]
         if routing is not None:
             relay_slot = want_slot
-        return {"relay": (relay_cnt, relay_tok, relay_slot)}
+        return {"relay": (relay_cnt, relay_tok, relay_slot), "error": errors[0] if errors else None}
 
     # -- combine ---------------------------------------------------------------------------------
 

@@ -951,9 +951,9 @@ class EpDispatchCombineOp:
                 self._p_scales[p][:, :sb][slots] = sc_b[toks]
             self._p_idx[p][slots] = indices[toks]
             self._p_src[p][slots] = src_pos[toks]
-        relay = None
+        relay = stream_error = None
         if self._inter is not None:  # the streams to other nodes, then this rank's relay fan-out
-            relay = self._inter.dispatch(
+            got = self._inter.dispatch(
                 "EpDispatchCombineOp.dispatch",
                 input,
                 weights,
@@ -965,7 +965,8 @@ class EpDispatchCombineOp:
                 counter,
                 self._disp_epoch,
                 overflow,
-            )["relay"]
+            )
+            relay, stream_error = got["relay"], got["error"]
         self._signal_all(0, direct)
         self._pending_dispatch = {
             "relay": relay,
@@ -976,6 +977,10 @@ class EpDispatchCombineOp:
             "n": n,
             "count": count,
         }
+        if stream_error is not None:
+            self._pending_dispatch = None
+            self._last = None  # the rows of the bad stream are missing: nothing to combine
+            raise stream_error
         if overflow:
             raise MoriValueError(
                 f"EpDispatchCombineOp.dispatch: ranks {format_ranks(overflow)} would receive more than "
