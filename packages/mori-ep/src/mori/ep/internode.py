@@ -490,21 +490,29 @@ class InterNodeHost:
                 # (zero_absent); the rows of tokens not in the stream are summed and not sent
                 span = int(toks[-1]) + 1  # (toks ascend)
                 part = self.cst[slot, :span, :, :nb].view(input.dtype)
+                # (inbound stream ``si`` goes back from staging buffer ``si``: the lists mirror each
+                # other, and the dispatch's staging rows are sent and free)
+                rows = self.xout[si, : c * stride].view(c, stride)
+                acc_w = None
+                if weights is not None:
+                    acc_w = self.cst_w[slot, :span].sum(1).index_select(0, toks)
+                if quant == "none" and len(self.fan) == 2 and span == c:
+                    # two ranks per node, every token: one element-wise add, computed in fp32 and
+                    # rounded once, is bit for bit the fp32 sum cast to the wire dtype
+                    torch.add(part[:, 0], part[:, 1], out=rows[:, :nb].view(input.dtype))
+                    if acc_w is not None:
+                        rows[:, off_w : off_w + 4 * k].view(torch.float32).copy_(acc_w)
+                    self._send("combine", rows, c, src_rank, self.n_slots + self.slot_of(op.rank), epoch)
+                    continue
                 acc_all = op._scratch("relay_acc", span * h, torch.float32).view(span, h)
                 acc_all.copy_(part[:, 0])
                 for fi in range(1, len(self.fan)):
                     acc_all.add_(part[:, fi])
-                acc_w = None
-                if weights is not None:
-                    acc_w = self.cst_w[slot, :span].sum(1).index_select(0, toks)
                 if span == c:  # every token up to the last one: no gather
                     acc = acc_all
                 else:
                     acc = op._scratch("relay_rows", c * h, torch.float32).view(c, h)
                     torch.index_select(acc_all, 0, toks, out=acc)
-                # (inbound stream ``si`` goes back from staging buffer ``si``: the lists mirror each
-                # other, and the dispatch's staging rows are sent and free)
-                rows = self.xout[si, : c * stride].view(c, stride)
                 if quant == "none":
                     rows[:, :nb].view(input.dtype).copy_(acc)
                 else:

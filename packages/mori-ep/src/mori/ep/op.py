@@ -1306,17 +1306,26 @@ class EpDispatchCombineOp:
         n, h = handle.num_tokens, out.shape[1]
         quant = self.config.quant_type
         nb = {"none": h * out.element_size(), "fp4_blockwise": h // 2}.get(quant, h)
-        acc = self._scratch("acc", n * h, torch.float32).view(n, h).zero_()
+        acc = self._scratch("acc", n * h, torch.float32).view(n, h)
+        fresh = True  # acc holds nothing yet: the first whole block is copied, not added to zeros
         acc_w = None if out_w is None else torch.zeros(n, self._k, dtype=torch.float32)
         for p in range(self.world_size) if direct is None else direct:  # fixed order: deterministic
             toks = (handle.dest_slot[p, :n] >= 0).nonzero().flatten()
             if toks.numel() == 0:
                 continue
             if quant == "none":  # (rows of tokens not sent to p were zeroed: add them all)
-                acc.add_(_words(nb, self._stage_tok[p])[1][0][:n].view(out.dtype))
+                block = _words(nb, self._stage_tok[p])[1][0][:n].view(out.dtype)
+                if fresh:
+                    acc.copy_(block)
+                else:
+                    acc.add_(block)
+                fresh = False
                 if acc_w is not None:
                     acc_w.add_(self._stage_w[p][:n])
                 continue
+            if fresh:
+                acc.zero_()
+                fresh = False
             if quant == "fp4_blockwise":
                 assert self._stage_sc is not None
                 packed = self._stage_tok[p, :, :nb][toks]
@@ -1332,6 +1341,8 @@ class EpDispatchCombineOp:
             acc.index_add_(0, toks, rows)
             if acc_w is not None:
                 acc_w.index_add_(0, toks, self._stage_w[p][toks])
+        if fresh:
+            acc.zero_()
         if self._inter is not None:  # then every other node's sum, node by node
             self._inter.finish_combine(func, handle, out.dtype, h, acc, acc_w, pend["epoch"])
         out[:n].copy_(acc)  # (cast once)
