@@ -286,8 +286,10 @@ class InterNodeHost:
         counter: int,
         epoch: int,
         overflow: list[int],
-    ) -> dict[str, torch.Tensor]:
-        """The streams and fan-out of one dispatch (after the direct legs); returns the relay tables."""
+    ) -> dict[str, Any]:
+        """The streams and fan-out of one dispatch (after the direct legs). Returns ``relay`` (the
+        relay tables of :class:`~mori.ep.op.EpDispatchRoutingHandle`) and ``error`` (a bad stream's
+        error, to raise after the "done" signal, or None)."""
         from mori.ep.op import _words
 
         op = self.op
