@@ -40,9 +40,9 @@ def _config(rank: int, world: int, **kw: Any) -> EpDispatchCombineConfig:
     return EpDispatchCombineConfig(**args)
 
 
-def _build_error(rank: int, world: int, impl: str, **kw: Any) -> str:
+def _build_error(rank: int, world: int, impl: str, base: dict[str, Any], **kw: Any) -> str:
     with pytest.raises(MoriValueError) as info:
-        EpDispatchCombineOp(_config(rank, world, **kw), impl=impl)
+        EpDispatchCombineOp(_config(rank, world, **{**base, **kw}), impl=impl)
     return str(info.value)
 
 
@@ -63,21 +63,28 @@ def _good_round(op: EpDispatchCombineOp, rank: int, world: int) -> None:
     assert torch.equal(got[:4].float().cpu(), torch.full((4, H), 4.0 * min(world, K)))
 
 
-def _attacks(rank: int, world: int, impl: str) -> list[str]:
+def _attacks(rank: int, world: int, impl: str, base: dict[str, Any] | None = None) -> list[str]:
+    """``base``: config fields every op gets (test_internode.py: an inter-node kernel type)."""
+    base = base or {}
     errors = []
     # 1. num_experts_per_rank 4 on rank 0, 2 on the others (today: tokens for expert 3 kept locally)
-    errors.append(_build_error(rank, world, impl, num_experts_per_rank=4 if rank == 0 else 2))
+    errors.append(_build_error(rank, world, impl, base, num_experts_per_rank=4 if rank == 0 else 2))
     # 2. hidden x element size equal in bytes, not in shape (64 fp32 vs 128 bf16 elements per row)
     errors.append(
         _build_error(
-            rank, world, impl, hidden_dim=64 if rank == 0 else 128, max_token_type_size=4 if rank == 0 else 2
+            rank,
+            world,
+            impl,
+            base,
+            hidden_dim=64 if rank == 0 else 128,
+            max_token_type_size=4 if rank == 0 else 2,
         )
     )
     # 3. a hidden size the symmetric allocation would have caught without naming it
-    errors.append(_build_error(rank, world, impl, hidden_dim=H if rank == 0 else 2 * H))
+    errors.append(_build_error(rank, world, impl, base, hidden_dim=H if rank == 0 else 2 * H))
 
     # per call: the same config, fp32 input on rank 0 and bf16 elsewhere (today: 4.0078 for 4.0)
-    op = EpDispatchCombineOp(_config(rank, world), impl=impl)
+    op = EpDispatchCombineOp(_config(rank, world, **base), impl=impl)
     dev = op._recv_tok.device
     x, idx = _call_inputs(rank, world)
     x, idx = x.to(dev), idx.to(dev)

@@ -241,9 +241,45 @@ def test_cpu_bench_runs_end_to_end_and_writes_json(
     assert "cached" in rows[0]["baseline"]
 
 
+def test_cpu_bench_on_emulated_nodes_counts_inter_node_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mori.ep.bench import random_routing
+    from mori.ep.reference import dest_ranks
+
+    path = tmp_path / "ep.json"
+    argv = ["bench", "ep", *TINY, "--dtype", "bf16", "--ranks", "4", "--nodes", "2", "--json", str(path)]
+    rc = cli.main([*argv, "--plot", "none"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "InterNodeV1) on 4 ranks in 2 emulated nodes" in out and "ours True, baseline True" in out
+    record = json.loads(path.read_text())
+    assert record["config"]["nodes"] == 2 and record["config"]["kernel_type"] == "InterNodeV1"
+    # a token crosses once per other node with an expert on it (2 ranks per node, 2 experts each)
+    idx = [random_routing(16, 8, 4, 123, r) for r in range(4)]
+    by_node = [dest_ranks(i, 2, 4).view(16, 2, 2).any(2) for i in idx]
+    want = [int(by_node[r][:, 1 - r // 2].sum()) for r in range(4)]
+    for r in record["rows"]:
+        assert r["verified"] and r["baseline"]["verified"] and r["nodes"] == 2
+        assert r["transport"] in ("tcp", "ucx")
+        assert r["inter_node_messages_per_rank"] and min(r["inter_node_messages_per_rank"]) > 0
+        if r["phase"] == "dispatch":
+            # wire row: 256 bf16 + 4 weights + 4 ids (8-byte aligned) + the source token
+            assert r["inter_node_rows_per_rank"] == want
+            assert r["inter_node_bytes_per_rank"] == [n * (512 + 16 + 16 + 8) for n in want]
+        else:  # each rank, as the relay of its local index, sends back what the other node sent it
+            assert r["inter_node_rows_per_rank"] == [want[(q + 2) % 4] for q in range(4)]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
+        (["--ranks", "4", "--nodes", "3"], "--nodes=3 is not allowed; expected a divisor of --ranks = 4"),
+        (
+            ["--ranks", "4", "--nodes", "2", "--kernel-type", "IntraNode"],
+            "--kernel-type='IntraNode' is not allowed; expected one of InterNode, InterNodeV1",
+        ),
+        (["--ranks", "4", "--nodes", "2", "--device", "cuda"], "1 with --device cuda (device-initiated"),
         (["--hidden", "200", "--dtype", "fp8"], "--hidden=200 is not allowed; expected a multiple of 128"),
         (
             ["--experts", "9", "--ranks", "2"],

@@ -42,9 +42,25 @@ def _config(rank: int, world: int, **kw: Any) -> EpDispatchCombineConfig:
     return EpDispatchCombineConfig(**args)
 
 
-def _op(impl: str, rank: int, world: int, **kw: Any) -> EpDispatchCombineOp:
+#: which kernel types a scenario runs: the main one, its low-latency sibling and the extra types
+#: the quantisation scenario covers, plus config fields every op gets (test_internode.py runs the
+#: same scenarios with inter-node families)
+SINGLE_NODE: dict[str, Any] = {
+    "kernel_type": KT.IntraNode,
+    "ll": KT.IntraNodeLL,
+    "quant_also": (KT.IntraNodeLL, KT.AsyncLL),
+    "config": {},
+}
+
+
+def _op(
+    impl: str, rank: int, world: int, fam: dict[str, Any] | None = None, **kw: Any
+) -> EpDispatchCombineOp:
     """An operator on ``impl``; the Triton kernels (run by the interpreter here) get 3 programs, so
-    token ranges split unevenly and some programs get none."""
+    token ranges split unevenly and some programs get none. ``fam``: a kernel family like
+    :data:`SINGLE_NODE` (its main type unless ``kw`` names one)."""
+    fam = fam or SINGLE_NODE
+    kw = {"kernel_type": fam["kernel_type"], **fam["config"], **kw}
     if impl == "triton":
         kw.setdefault("block_num", 3)
     return EpDispatchCombineOp(_config(rank, world, **kw), impl=impl)
@@ -175,9 +191,12 @@ def _round(
     _check_combine(op, got, all_in[rank], cdtype)
 
 
-def _scenarios(rank: int, world: int, impl: str = "host", rounds: int = 10) -> None:
+def _scenarios(
+    rank: int, world: int, impl: str = "host", rounds: int = 10, fam: dict[str, Any] | None = None
+) -> None:
+    fam = fam or SINGLE_NODE
     # random routing with sentinels and scales, `rounds` calls in a row on one op, bf16
-    op = _op(impl, rank, world)
+    op = _op(impl, rank, world, fam)
     if impl == "triton":  # interpreter: one resident program, M = 16 -> chunks of 2 tokens: push
         assert op._kern is not None and op._kern._push_chunk(-1, -1, torch.bfloat16) == 2
     for it in range(rounds):
@@ -189,16 +208,16 @@ def _scenarios(rank: int, world: int, impl: str = "host", rounds: int = 10) -> N
     _round(op, 23, "random", torch.float8_e4m3fn, torch.bfloat16)
     # zero-copy combine
     _round(op, 24, "random", torch.bfloat16, torch.bfloat16, zero_copy=True)
-    zc = _op(impl, rank, world, use_external_inp_buf=False)
+    zc = _op(impl, rank, world, fam, use_external_inp_buf=False)
     for it in range(2):
         _round(zc, 30 + it, "round_robin", torch.bfloat16, torch.float32, zero_copy=True)
     # spread (K = world), with a capped receive buffer that still fits
-    sp = _op(impl, rank, world, num_experts_per_token=world, max_total_recv_tokens=world * M)
+    sp = _op(impl, rank, world, fam, num_experts_per_token=world, max_total_recv_tokens=world * M)
     assert sp.max_num_tokens_to_recv() == world * M
     for it in range(2):
         _round(sp, 40 + it, "spread", torch.bfloat16, torch.bfloat16, k=world)
-    # IntraNodeLL: same path
-    ll = _op(impl, rank, world, kernel_type=KT.IntraNodeLL)
+    # the low-latency sibling (IntraNodeLL, InterNodeV1LL): same path
+    ll = _op(impl, rank, world, fam, kernel_type=fam["ll"])
     for it in range(2):
         _round(ll, 50 + it, "random", torch.bfloat16, torch.bfloat16)
 
@@ -223,8 +242,8 @@ def _new_payload(src: int, n: int) -> dict[str, torch.Tensor]:
     return {"x": torch.randn(n, H, generator=gen).to(torch.bfloat16), "w": torch.rand(n, K, generator=gen)}
 
 
-def _replay(rank: int, world: int, impl: str = "host") -> None:
-    op = _op(impl, rank, world)
+def _replay(rank: int, world: int, impl: str = "host", fam: dict[str, Any] | None = None) -> None:
+    op = _op(impl, rank, world, fam)
     a = [_inputs(70, s, world, "random", torch.bfloat16, K) for s in range(world)]
     b = [_inputs(71, s, world, "round_robin", torch.bfloat16, K) for s in range(world)]
     da, db = _dev(op, a[rank]), _dev(op, b[rank])
@@ -276,22 +295,23 @@ def _quant_round(op: EpDispatchCombineOp, seed: int, tol: float, *, big: bool = 
         assert float(got[0][: me["n"]].float().abs().max()) > 448, "large values were not kept"
 
 
-def _quant(rank: int, world: int, impl: str = "host") -> str:
+def _quant(rank: int, world: int, impl: str = "host", fam: dict[str, Any] | None = None) -> str:
+    fam = fam or SINGLE_NODE
     # MORI_FP8_COMBINE_SCALE_DIM=4 (set by the test): blocks of H / 4 = 32 elements
     # fp8_direct_cast: the staging buffer holds fp8 (one byte per element)
-    dc = _op(impl, rank, world, quant_type="fp8_direct_cast")
+    dc = _op(impl, rank, world, fam, quant_type="fp8_direct_cast")
     assert dc._stage_tok.shape[-1] == H and dc._stage_sc is None
     for it in range(3):
         _quant_round(dc, 80 + it, 1e-1)
     # fp8_blockwise: fp8 rows plus 4 fp32 scales per row; rows far above 448 survive
-    bw = _op(impl, rank, world, quant_type="fp8_blockwise")
+    bw = _op(impl, rank, world, fam, quant_type="fp8_blockwise")
     assert bw._stage_tok.shape[-1] == H
     assert bw._stage_sc is not None and bw._stage_sc.shape[-1] == 4
     for it in range(3):
         _quant_round(bw, 85 + it, 7e-2, big=it > 0)
-    for kt in (KT.IntraNodeLL, KT.AsyncLL):
+    for kt in fam["quant_also"]:
         for quant in ("fp8_direct_cast", "fp8_blockwise"):
-            op = _op(impl, rank, world, kernel_type=kt, quant_type=quant)
+            op = _op(impl, rank, world, fam, kernel_type=kt, quant_type=quant)
             _quant_round(op, 90, 1e-1 if quant == "fp8_direct_cast" else 7e-2, big=quant == "fp8_blockwise")
 
     # error paths: raised before anything is sent, so every rank raises and the ops stay usable
@@ -312,18 +332,18 @@ def _quant(rank: int, world: int, impl: str = "host") -> str:
         bw.combine(torch.zeros(M * world, 16, device=dev).bfloat16(), None, me["idx"])
     for quant in ("fp8_direct_cast", "fp8_blockwise"):
         with pytest.raises(MoriValueError, match=r"config\.use_external_inp_buf=False .*True"):
-            _op(impl, rank, world, quant_type=quant, use_external_inp_buf=False)
+            _op(impl, rank, world, fam, quant_type=quant, use_external_inp_buf=False)
     saved = os.environ.get("MORI_FP8_COMBINE_SCALE_DIM")
     try:
         for bad in ("5", "0", "-4", "abc", "256"):
             os.environ["MORI_FP8_COMBINE_SCALE_DIM"] = bad
             with pytest.raises(MoriValueError, match=f"MORI_FP8_COMBINE_SCALE_DIM={bad!r}.*divides"):
-                _op(impl, rank, world, quant_type="fp8_blockwise")
+                _op(impl, rank, world, fam, quant_type="fp8_blockwise")
         # default 56: H = 128 is not a multiple, H = 112 is (blocks of 2)
         del os.environ["MORI_FP8_COMBINE_SCALE_DIM"]
         with pytest.raises(MoriValueError, match=r"MORI_FP8_COMBINE_SCALE_DIM=56 .*hidden_dim = 128"):
-            _op(impl, rank, world, quant_type="fp8_blockwise")
-        op = _op(impl, rank, world, quant_type="fp8_blockwise", hidden_dim=112)
+            _op(impl, rank, world, fam, quant_type="fp8_blockwise")
+        op = _op(impl, rank, world, fam, quant_type="fp8_blockwise", hidden_dim=112)
         assert op._stage_sc is not None and op._stage_sc.shape[-1] == 56
         x = torch.full((2, 112), 1000.0, device=dev).bfloat16()
         idx = torch.full((2, K), rank * E_LOCAL, dtype=torch.int32, device=dev)
@@ -350,8 +370,10 @@ def _errors(rank: int, world: int) -> str:
     with pytest.raises(MoriValueError, match=r"config\.rank"):
         EpDispatchCombineOp(_config((rank + 1) % world, world))
     for kt in (KT.InterNode, KT.InterNodeV1, KT.InterNodeV1LL):
-        with pytest.raises(MoriBackendError, match="not available without a network transport"):
-            EpDispatchCombineOp(_config(rank, world, kernel_type=kt))
+        # on one node (gpu_per_node 8 >= world) the inter-node types run; the Triton kernels refuse
+        # them (the device-initiated legs need the proxy)
+        with pytest.raises(MoriBackendError, match=r"impl='triton'.*proxy thread \(issue 14\)"):
+            EpDispatchCombineOp(_config(rank, world, kernel_type=kt), impl="triton")
     with pytest.raises(MoriValueError, match=r"impl='cuda' .*'auto', 'host', 'triton'"):
         EpDispatchCombineOp(_config(rank, world), impl="cuda")
     op = EpDispatchCombineOp(_config(rank, world))
@@ -441,9 +463,9 @@ def test_combine_fp8_wire_quantisation(world: int) -> None:
     assert shmem_ranks(_quant, world, env={"MORI_FP8_COMBINE_SCALE_DIM": "4"}) == ["ok"] * world
 
 
-def _fnuz(rank: int, world: int, impl: str = "host") -> None:
+def _fnuz(rank: int, world: int, impl: str = "host", fam: dict[str, Any] | None = None) -> None:
     # AMD's fp8 (float8_e4m3fnuz): rows and scales travel as bytes, checked bit-exact
-    op = _op(impl, rank, world)
+    op = _op(impl, rank, world, fam)
     for it in range(2):
         _round(op, 90 + it, "random", torch.float8_e4m3fnuz, torch.bfloat16)
 

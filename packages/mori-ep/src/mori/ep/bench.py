@@ -96,7 +96,9 @@ DEFAULT_REPS = {"cuda": 10, "cpu": 1}
 FP8_BLOCK = 128
 FP8_MAX = 448.0
 DTYPES = ("bf16", "fp8")
-KERNEL_TYPES = ("IntraNode", "IntraNodeLL", "AsyncLL")
+KERNEL_TYPES = ("IntraNode", "IntraNodeLL", "AsyncLL", "InterNode", "InterNodeV1", "InterNodeV1LL")
+#: kernel types whose ranks may sit on several (emulated) nodes
+INTER_NODE_TYPES = ("InterNode", "InterNodeV1", "InterNodeV1LL")
 #: combine tolerance against x * U (bf16 output of an fp32 sum of at most world equal bf16 rows)
 RTOL, ATOL = 2e-2, 2e-2
 #: combine check tolerance (relative and absolute) when rows cross as fp8 (--combine-quant)
@@ -113,13 +115,14 @@ def mori_bench_suites() -> Sequence[BenchSuite]:
 
 @hookimpl
 def mori_env_vars() -> Sequence[EnvVar[Any]]:
-    from mori.ep import deepep, tuning
+    from mori.ep import deepep, internode, tuning
 
     return [
         tuning.MORI_EP_LAUNCH_CONFIG_MODE,
         tuning.MORI_EP_TUNING_CONFIG,
         tuning.MORI_EP_PUSH_CHUNK,
         deepep.MORI_EP_DEEPEP_RECV_VIEWS,
+        internode.MORI_NUM_QP_PER_PE,
     ]
 
 
@@ -175,7 +178,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--warps", type=int, default=-1, help="warp_per_block given to dispatch and combine (-1 = the op's)"
     )
-    p.add_argument("--kernel-type", choices=KERNEL_TYPES, default="IntraNode", help="(default IntraNode)")
+    p.add_argument(
+        "--kernel-type",
+        choices=KERNEL_TYPES,
+        default=None,
+        help="(default IntraNode on one node, InterNodeV1 with --nodes > 1)",
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="emulated nodes (cpu only): rank r gets MORI_NODE_ID node<r // (ranks / nodes)>, so ranks of "
+        "different nodes reach each other only through the network transport (MORI_SHMEM_TRANSPORT: tcp, "
+        "or ucx when installed); needs an inter-node --kernel-type; default 1",
+    )
     p.add_argument(
         "--combine-quant",
         choices=["none", "fp8_direct_cast", "fp8_blockwise"],
@@ -235,6 +251,22 @@ def _check_args(args: argparse.Namespace) -> None:
             raise bad_value(SUITE, name, value, "an int >= 1")
 
     positive("--ranks", args.ranks)
+    positive("--nodes", args.nodes)
+    if args.kernel_type is None:
+        args.kernel_type = "InterNodeV1" if args.nodes > 1 else "IntraNode"
+    if args.ranks % args.nodes:
+        raise bad_value(SUITE, "--nodes", args.nodes, f"a divisor of --ranks = {args.ranks}")
+    if args.nodes > 1 and args.kernel_type not in INTER_NODE_TYPES:
+        raise bad_value(
+            SUITE, "--kernel-type", args.kernel_type, f"one of {', '.join(INTER_NODE_TYPES)} with --nodes > 1"
+        )
+    if args.nodes > 1 and dev != "cpu":
+        raise bad_value(
+            SUITE,
+            "--nodes",
+            args.nodes,
+            "1 with --device cuda (device-initiated inter-node traffic needs the proxy, issue 14)",
+        )
     positive("--hidden", args.hidden)
     positive("--experts", args.experts)
     positive("--iters", args.iters)
@@ -272,6 +304,7 @@ _SPEC_KEYS: tuple[str, ...] = ("device", "ranks", "tokens", "hidden", "experts",
 _SPEC_KEYS += (
     "warps",
     "kernel_type",
+    "nodes",
     "iters",
     "warmup",
     "reps",
@@ -541,7 +574,15 @@ def _launch(spec: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
             _rank_main, spec["ranks"], spec, heap=heap, timeout=timeout, env=env, before_init=_set_device
         )
     env["MORI_DEVICE_RUNTIME"] = "cpu"
-    return shmem_ranks(_rank_main, spec["ranks"], spec, heap=heap, timeout=timeout, env=env)
+    split = functools.partial(_set_node, spec["ranks"] // spec["nodes"]) if spec["nodes"] > 1 else None
+    return shmem_ranks(
+        _rank_main, spec["ranks"], spec, heap=heap, timeout=timeout, env=env, before_init=split
+    )
+
+
+def _set_node(ranks_per_node: int, rank: int, nranks: int) -> None:
+    """Emulated nodes: rank ``r`` is on node ``r // ranks_per_node``."""
+    os.environ["MORI_NODE_ID"] = f"node{rank // ranks_per_node}"
 
 
 def _rank_main(rank: int, nranks: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -565,7 +606,11 @@ def _rank_main(rank: int, nranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     try:
         cases = [_case(rank, nranks, spec, t, d, dev) for t in spec["tokens"] for d in spec["dtype"]]
         name = torch.cuda.get_device_name(dev) if cuda else f"cpu ({os.cpu_count()} cores)"
-        return {"device_name": name, "torch": torch.__version__, "cases": cases}
+        from mori.shmem.context import current
+
+        network = current("mori bench ep").network
+        transport = network.tp.name if network is not None else None
+        return {"device_name": name, "torch": torch.__version__, "cases": cases, "transport": transport}
     finally:
         dist.destroy_process_group()
 
@@ -708,6 +753,7 @@ def _case(
         num_experts_per_rank=e_local,
         num_experts_per_token=k,
         kernel_type=kt,
+        gpu_per_node=nranks // spec.get("nodes", 1),
         use_external_inp_buf=not spec["zero_copy"],
         quant_type=spec["combine_quant"],
     )
@@ -721,8 +767,11 @@ def _case(
             op.dispatch_recv(block_num=sms, warp_per_block=warps)
         return out
 
+    inter = kt.name in INTER_NODE_TYPES
+    t0 = op.inter_node_traffic() if inter else None
     # one checked dispatch + combine; its received rows (dequantised) are the expert outputs
     out, _, out_scales, _, total = dispatch(spec["sms"][0])
+    t1 = op.inter_node_traffic() if inter else None
     n_recv = int(total[0])
     comb_in = (dequantise_fp8(out, out_scales) if fp8 else out).to(torch.bfloat16).clone()
     comb_in[n_recv:] = 0
@@ -738,6 +787,16 @@ def _case(
         return res
 
     combined = combine(spec["sms"][0])[0][:tokens].float()
+    traffic = None
+    if inter:  # what this rank sent to other nodes in that one dispatch and one combine
+        assert t0 is not None and t1 is not None
+        t2 = op.inter_node_traffic()
+        traffic = {
+            "dispatch": {f: t1[f"dispatch_{f}"] - t0[f"dispatch_{f}"] for f in ("rows", "bytes")},
+            "combine": {f: t2[f"combine_{f}"] - t1[f"combine_{f}"] for f in ("rows", "bytes")},
+        }
+        traffic["dispatch"]["messages"] = t1["messages"] - t0["messages"]
+        traffic["combine"]["messages"] = t2["messages"] - t1["messages"]
     tol = RTOL if spec["combine_quant"] == "none" else FP8_WIRE_TOL
     ok = n_recv == rows[rank] and bool(torch.allclose(combined, expected, rtol=tol, atol=tol))
     timer = _Timer(spec, dev)
@@ -765,6 +824,7 @@ def _case(
         "recv_rows": n_recv,
         "verified": ok,
         "ours": ours,
+        "inter_node": traffic,
     }
     if spec["baseline"]:
         result["baseline"] = _baseline(
@@ -857,6 +917,7 @@ def _rows(spec: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str,
                     "warps": spec["warps"],
                     "kernel_type": spec["kernel_type"],
                     "ranks": spec["ranks"],
+                    "nodes": spec.get("nodes", 1),
                     "timing": meas[0]["mode"],
                     "latency_us": _lat(samples),
                     "recv_rows_per_rank": rows,
@@ -870,6 +931,12 @@ def _rows(spec: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str,
                     "verified": verified,
                     "samples_us": [s * 1e6 for s in samples],
                 }
+                if per_rank[0].get("inter_node") is not None:
+                    # per rank, one call: wire rows and bytes sent to other nodes, and messages
+                    # (puts, signals, atomics) to other nodes, control included
+                    row["transport"] = results[0].get("transport")
+                    for f in ("rows", "bytes", "messages"):
+                        row[f"inter_node_{f}_per_rank"] = [c["inter_node"][phase][f] for c in per_rank]
                 if f"{phase}_traced" in per_rank[0]["ours"][si]:
                     traced = _lat(_slowest([c["ours"][si][f"{phase}_traced"]["samples"] for c in per_rank]))
                     row["traced"] = {
@@ -946,8 +1013,13 @@ def _report(spec: dict[str, Any], results: list[dict[str, Any]], rows: list[dict
             ]
         )
     print(
-        f"mori bench ep: EpDispatchCombineOp ({spec['kernel_type']}) on {spec['ranks']} ranks, "
-        f"{results[0]['device_name']}; hidden {spec['hidden']}, top-{spec['topk']} of {spec['experts']} "
+        f"mori bench ep: EpDispatchCombineOp ({spec['kernel_type']}) on {spec['ranks']} ranks"
+        + (
+            f" in {spec['nodes']} emulated nodes (inter-node legs over {results[0].get('transport')})"
+            if spec.get("nodes", 1) > 1
+            else ""
+        )
+        + f", {results[0]['device_name']}; hidden {spec['hidden']}, top-{spec['topk']} of {spec['experts']} "
         f"experts, random routing (seed {spec['seed']}), combine bf16"
     )
     print(
@@ -980,6 +1052,17 @@ def _report(spec: dict[str, Any], results: list[dict[str, Any]], rows: list[dict
     )
     modes = sorted({r["timing"] for r in rows})
     print("timing (ours): " + "; ".join(modes))
+    if rows and "inter_node_bytes_per_rank" in rows[0]:
+        print(
+            "sent to other nodes per call (per rank: wire rows, MB, messages incl. control; V1/V1LL: a "
+            "token crosses once per destination node, InterNode once per destination rank):"
+        )
+        for r in rows:
+            mb = ", ".join(f"{b / 1e6:.2f}" for b in r["inter_node_bytes_per_rank"])
+            print(
+                f"  {r['phase']} {r['tokens']} tokens {r['dtype']}: rows {r['inter_node_rows_per_rank']}, "
+                f"MB [{mb}], messages {r['inter_node_messages_per_rank']}"
+            )
     if rows and "baseline" in rows[0]:
         print(
             f"baseline: torch.distributed.all_to_all_single on {base_name}; ours/a2a = our GB/s / the "

@@ -77,9 +77,13 @@ class EpDispatchCombineConfig:
         use_external_inp_buf: True: combine's input is any tensor; False: zero-copy, the caller
             writes expert outputs into :meth:`~mori.ep.EpDispatchCombineOp.get_registered_combine_input_buffer`.
         kernel_type: an :class:`EpDispatchCombineKernelType` (or its int value).
-        gpu_per_node: ranks per node (node = ``rank // gpu_per_node``).
-        rdma_block_num: GPU blocks dedicated to RDMA in the V1 kernels (unused on the CPU runtime).
-        num_qp_per_pe: RDMA queue pairs per peer (unused on the CPU runtime).
+        gpu_per_node: ranks per node (node = ``rank // gpu_per_node``); the inter-node kernel
+            types cap it at ``world_size`` and need it to divide ``world_size``.
+        rdma_block_num: GPU blocks dedicated to RDMA in the V1 kernels; 0 or fewer than
+            ``block_num`` for InterNodeV1/V1LL. Validated and recorded; unused on the CPU runtime
+            (each inter-node stream is one host transport operation, see :mod:`mori.ep.internode`).
+        num_qp_per_pe: RDMA queue pairs per peer (>= 1; the env ``MORI_NUM_QP_PER_PE`` is the
+            shmem-level one). Validated and recorded; unused on the CPU runtime.
         quant_type: combine wire format, one of :data:`QUANT_TYPES`.
     """
 

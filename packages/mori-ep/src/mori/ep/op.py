@@ -55,7 +55,7 @@ from mori.core.errors import (
     bad_value,
     format_ranks,
 )
-from mori.ep import agreement, fp4, tuning
+from mori.ep import agreement, fp4, internode, tuning
 from mori.ep.config import QUANT_TYPES, EpDispatchCombineConfig, EpDispatchCombineKernelType
 from mori.ep.kernel_path import KernelPath, kernels_requested
 
@@ -63,13 +63,21 @@ __all__ = ["EpDispatchCombineOp", "EpDispatchRoutingHandle"]
 
 KT = EpDispatchCombineKernelType
 #: kernel types this runtime implements (all on the same host path)
-_AVAILABLE = (KT.IntraNode, KT.IntraNodeLL, KT.AsyncLL)
+_AVAILABLE = (KT.IntraNode, KT.IntraNodeLL, KT.AsyncLL, KT.InterNode, KT.InterNodeV1, KT.InterNodeV1LL)
+#: kernel types whose ranks may sit on several nodes (host path only: see mori.ep.internode)
+_INTER_NODE = (KT.InterNode, KT.InterNodeV1, KT.InterNodeV1LL)
 #: implementations: "auto" (Triton kernels on a GPU heap, the host path on the cpu runtime),
 #: "host" (vectorised torch; cpu runtime only), "triton" (the kernels; on the cpu runtime only under
 #: TRITON_INTERPRET=1, which is how CI runs them)
 IMPLS = ("auto", "host", "triton")
 #: kernel types that may use a routing handle (as in the original: IntraNode and InterNodeV1)
-_ROUTING_KERNELS = (KT.IntraNode,)
+_ROUTING_KERNELS = (KT.IntraNode, KT.InterNodeV1)
+#: the error for inter-node kernel types where tokens would have to leave a GPU by themselves
+_NEEDS_PROXY = (
+    "device-initiated inter-node traffic needs the proxy thread (issue 14), which is not built yet; "
+    "on the cpu runtime (MORI_DEVICE_RUNTIME=cpu) the host path runs these kernel types with impl='auto' "
+    "or impl='host'"
+)
 
 
 def _float8_types() -> tuple[torch.dtype, ...]:
@@ -107,6 +115,14 @@ def _words(nb: int, *byte_rows: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
         and all(t.shape[-1] % w == 0 and t.stride(-2) % w == 0 and t.data_ptr() % w == 0 for t in byte_rows)
     )
     return w, [t.view(_WORD_DTYPES[w])[:, : nb // w] for t in byte_rows]
+
+
+def _peer_view(t: torch.Tensor, me: int, p: int) -> torch.Tensor | None:
+    """View of PE ``p``'s copy of the symmetric tensor ``t``; None if loads and stores cannot reach
+    ``p`` (another node)."""
+    if shmem.shmem_ptr_p2p(t.data_ptr(), me, p) == 0:
+        return None
+    return shmem.symm_mori_shmem_tensor(t, p)
 
 
 def _names(dtypes: Sequence[torch.dtype]) -> str:
@@ -180,6 +196,12 @@ class EpDispatchRoutingHandle:
         recv_src_pos: int32 [total_recv]: flat source position ``src_rank * world_size * M +
             src_tok`` of every received row.
         num_tokens: ``N``, the number of tokens this rank dispatched.
+        relay: inter-node kernel types only, else None: ``(relay_cnt int64 [S], relay_tok int32
+            [S, M], relay_slot int32 [S, M, F])``, this rank's part as the receiver of streams from
+            other nodes (see :mod:`mori.ep.internode`): rows of stream ``s``, the source token of
+            each row, and the receive row of each of the ``F`` ranks it fanned out to (``-1``: not
+            sent there). For ranks on other nodes ``dest_slot`` holds the token's row in the
+            stream to that rank's node (``>= 0``: sent), not a receive row.
     """
 
     def __init__(
@@ -189,8 +211,11 @@ class EpDispatchRoutingHandle:
         recv_src_pos: torch.Tensor,
         num_tokens: int,
         recv_slot: torch.Tensor | None = None,
+        *,
+        relay: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         self.dest_slot = dest_slot
+        self.relay = relay
         self.total_recv = total_recv
         self.recv_src_pos = recv_src_pos
         self.num_tokens = int(num_tokens)
@@ -205,9 +230,10 @@ class EpDispatchRoutingHandle:
         """``total_recv[0]`` as an int."""
         return int(self.total_recv[0])
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dest_slot, total_recv, recv_src_pos)``; rebuild with :meth:`from_tensors`."""
-        return self.dest_slot, self.total_recv, self.recv_src_pos
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """``(dest_slot, total_recv, recv_src_pos)``, then the three :attr:`relay` tensors for an
+        inter-node handle; rebuild with :meth:`from_tensors`."""
+        return (self.dest_slot, self.total_recv, self.recv_src_pos, *(self.relay or ()))
 
     @classmethod
     def from_tensors(
@@ -215,9 +241,35 @@ class EpDispatchRoutingHandle:
     ) -> EpDispatchRoutingHandle:
         """Rebuild a handle from :meth:`tensors` and the number of tokens this rank dispatched."""
         func = "EpDispatchRoutingHandle.from_tensors"
-        if len(tensors) != 3 or not all(isinstance(t, torch.Tensor) for t in tensors):
-            raise bad_value(func, "tensors", tensors, "(dest_slot, total_recv, recv_src_pos) from tensors()")
-        dest_slot, total, pos = tensors
+        if len(tensors) not in (3, 6) or not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise bad_value(
+                func,
+                "tensors",
+                tensors,
+                "(dest_slot, total_recv, recv_src_pos[, relay_cnt, relay_tok, relay_slot]) from tensors()",
+            )
+        dest_slot, total, pos = tensors[:3]
+        relay = None
+        if len(tensors) == 6:
+            cnt, tok, slot = tensors[3:]
+            s, m = dest_slot.shape[0], dest_slot.shape[1]
+            if (
+                cnt.dim() != 1
+                or cnt.dtype != torch.int64
+                or tok.dtype != torch.int32
+                or tuple(tok.shape) != (cnt.shape[0], m)
+                or slot.dtype != torch.int32
+                or slot.dim() != 3
+                or tuple(slot.shape[:2]) != (cnt.shape[0], m)
+                or cnt.shape[0] > s
+            ):
+                raise bad_value(
+                    func,
+                    "tensors[3:]",
+                    [tuple(t.shape) for t in tensors[3:]],
+                    "the relay tensors of tensors()",
+                )
+            relay = (cnt, tok, slot)
         if dest_slot.dim() != 2 or dest_slot.dtype != torch.int32:
             raise bad_value(func, "tensors[0]", tuple(dest_slot.shape), "dest_slot int32 [world_size, M]")
         if total.shape != (1,) or total.dtype != torch.int32:
@@ -227,7 +279,7 @@ class EpDispatchRoutingHandle:
         n = cur_rank_num_token
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= dest_slot.shape[1]:
             raise bad_value(func, "cur_rank_num_token", n, f"an int in [0, {dest_slot.shape[1]}]")
-        return cls(dest_slot, total, pos, n)
+        return cls(dest_slot, total, pos, n, relay=relay)
 
     def __repr__(self) -> str:
         return f"EpDispatchRoutingHandle(num_tokens={self.num_tokens}, total_recv={self.num_recv})"
@@ -248,8 +300,11 @@ class EpDispatchCombineOp:
 
     Available kernel types: ``IntraNode``, ``IntraNodeLL`` (the same host path) and ``AsyncLL``
     (``dispatch``/``dispatch_send`` only send; ``dispatch_recv`` waits and finalises; likewise
-    combine). The multi-node types need a network transport and raise
-    :class:`~mori.core.errors.MoriBackendError`.
+    combine), on the ranks of one node; ``InterNode``, ``InterNodeV1`` and ``InterNodeV1LL``
+    across nodes (``config.gpu_per_node`` ranks each) on the cpu runtime's host path, the legs to
+    other nodes through the SHMEM network transport (:mod:`mori.ep.internode`). On a GPU heap the
+    inter-node types raise :class:`~mori.core.errors.MoriBackendError`: their device-initiated
+    traffic needs the proxy (issue 14).
     """
 
     def __init__(self, config: EpDispatchCombineConfig, *, impl: str = "auto") -> None:
@@ -265,9 +320,17 @@ class EpDispatchCombineOp:
             )
         if config.kernel_type not in _AVAILABLE:
             raise MoriBackendError(
-                f"{func}: kernel_type {config.kernel_type.name} is not available without a network "
-                f"transport (RDMA); available here: {', '.join(k.name for k in _AVAILABLE)}"
+                f"{func}: kernel_type {config.kernel_type.name} is not available here; available: "
+                f"{', '.join(k.name for k in _AVAILABLE)}"
             )
+        inter = config.kernel_type in _INTER_NODE
+        if inter and impl == "triton":
+            raise MoriBackendError(
+                f"{func}: kernel_type {config.kernel_type.name} with impl='triton': the Triton kernels "
+                f"implement the single-node kernel types only; {_NEEDS_PROXY}"
+            )
+        if inter:
+            internode.check_config(func, config)
         if config.quant_type not in COMBINE_QUANT_TYPES:
             raise MoriBackendError(
                 f"{func}: quant_type={config.quant_type!r} is not implemented on the CPU runtime; use one "
@@ -287,14 +350,35 @@ class EpDispatchCombineOp:
         if config.rank != mype:
             raise bad_value(func, "config.rank", config.rank, f"shmem_mype() = {mype}")
         self.rank, self.world_size = mype, npes
+        self._inter: internode.InterNodeHost | None = None  # the inter-node legs (made below)
+        self._scratch_bufs: dict[str, torch.Tensor] = {}
         # every rank's wire-shaping config, compared before any other symmetric allocation (whose
         # sizes depend on it): a difference is reported by field name on every rank
         # (rows: 0 the config, 1-2 dispatch calls and 3-4 combine calls by parity; every row is
         # written whole by its owner before it is read, so the table needs no zeroing)
         self._agree = shmem.mori_shmem_create_tensor((5, npes, agreement.ROW_WORDS), torch.int64)
-        self._p_agree = [
-            self._agree if p == mype else shmem.symm_mori_shmem_tensor(self._agree, p) for p in range(npes)
+        # (None: a PE that loads and stores cannot reach, on another node: its words go by a put)
+        self._p_agree: list[torch.Tensor | None] = [
+            self._agree if p == mype else _peer_view(self._agree, mype, p) for p in range(npes)
         ]
+        far = [p for p in range(npes) if self._p_agree[p] is None]
+        problem = None
+        if inter and self._agree.device.type != "cpu":
+            problem = MoriBackendError(
+                f"{func}: kernel_type {config.kernel_type.name} on the {self._agree.device.type} heap: "
+                f"{_NEEDS_PROXY}"
+            )
+        elif far and not inter:
+            problem = MoriBackendError(
+                f"{func}: kernel_type {config.kernel_type.name} moves tokens by loads and stores between "
+                f"the ranks of one node, but ranks {format_ranks(far)} are on other nodes (MORI_NODE_ID) "
+                "for this rank; use kernel_type InterNode, InterNodeV1 or InterNodeV1LL"
+            )
+        elif inter:
+            problem = internode.check_nodes(func, config, far)
+        if problem is not None:
+            shmem.mori_shmem_free_tensor(self._agree)  # (collective: every rank of a split job raises)
+            raise problem
         self._agree_on_config(func, config, impl)
         #: fp8_blockwise: scales per row (MORI_FP8_COMBINE_SCALE_DIM) and elements per block
         self._quant_scale_dim = 0
@@ -358,15 +442,16 @@ class EpDispatchCombineOp:
         if self._quant_scale_dim:
             self._stage_sc = create((w, m, self._quant_scale_dim), torch.float32)
             self._symm.append(self._stage_sc)
+        if inter:  # collective: its streams' buffers and signal words
+            self._inter = internode.InterNodeHost(self)
+            self._symm.extend(self._inter.buffers())
         for t in self._symm:
             t.zero_()
 
-        def peers(t: torch.Tensor) -> list[torch.Tensor]:
-            # (an empty buffer, e.g. scales with scale_dim = 0, has no address to translate)
-            return [
-                t if p == self.rank or t.numel() == 0 else shmem.symm_mori_shmem_tensor(t, p)
-                for p in range(w)
-            ]
+        def peers(t: torch.Tensor) -> list[Any]:
+            # (an empty buffer, e.g. scales with scale_dim = 0, has no address to translate; a
+            # peer on another node has no view: None)
+            return [t if p == self.rank or t.numel() == 0 else _peer_view(t, self.rank, p) for p in range(w)]
 
         self._p_tok, self._p_w = peers(self._recv_tok), peers(self._recv_w)
         self._p_scales, self._p_idx = peers(self._recv_scales), peers(self._recv_idx)
@@ -439,10 +524,18 @@ class EpDispatchCombineOp:
             raise err
 
     def _post_call_words(self, row: int, values: Sequence[int]) -> None:
-        """Write this call's words into every peer's agreement table (before the ready signal)."""
+        """Write this call's words into every peer's agreement table (before the ready signal);
+        a peer on another node gets them by a put from this rank's own row."""
         words = torch.tensor(values, dtype=torch.int64, device=self._agree.device)
-        for peer in self._p_agree:
-            peer[row, self.rank, : len(values)] = words
+        own = self._agree[row, self.rank, : len(values)]
+        own.copy_(words)
+        for p, peer in enumerate(self._p_agree):
+            if peer is None:
+                shmem.shmem_putmem(own.data_ptr(), own.data_ptr(), 8 * len(values), p)
+                if self._inter is not None:
+                    self._inter.count_control(p)
+            elif p != self.rank:
+                peer[row, self.rank, : len(values)] = words
 
     def _exchange(
         self,
@@ -528,18 +621,23 @@ class EpDispatchCombineOp:
     def _ctrl_addr(self, i: int) -> int:
         return self._ctrl.data_ptr() + 8 * i
 
-    def _signal_all(self, base: int) -> None:
+    def _signal_all(self, base: int, ranks: Sequence[int] | None = None) -> None:
+        """``ctrl[base + this rank] += 1`` on every rank of ``ranks`` (default: all)."""
         shmem.shmem_quiet()  # the stores above are visible before any peer sees the signal
-        for p in range(self.world_size):
+        for p in range(self.world_size) if ranks is None else ranks:
             shmem.shmem_signal_op(self._ctrl_addr(base + self.rank), 1, shmem.SIGNAL_ADD, p)
+            if self._inter is not None:
+                self._inter.count_control(p)
 
-    def _wait_all(self, func: str, base: int, epoch: int) -> None:
-        for p in range(self.world_size):
+    def _wait_all(self, func: str, base: int, epoch: int, ranks: Sequence[int] | None = None) -> None:
+        """Wait until the word of every rank of ``ranks`` (default: all) reached ``epoch``."""
+        for p in range(self.world_size) if ranks is None else ranks:
             try:
                 shmem.shmem_wait_until(self._ctrl_addr(base + p), shmem.SHMEM_CMP_GE, epoch, dtype="uint64")
             except MoriTimeoutError as e:
                 seen = self._ctrl[base : base + self.world_size].tolist()
-                missing = [q for q in range(self.world_size) if seen[q] < epoch]
+                waited = range(self.world_size) if ranks is None else ranks
+                missing = [q for q in waited if seen[q] < epoch]
                 raise MoriTimeoutError(
                     f"{func}: rank {self.rank} waited for call {epoch} of every rank; ranks "
                     f"{format_ranks(missing)} did not arrive ({e})",
@@ -648,8 +746,15 @@ class EpDispatchCombineOp:
                 f"None: routing handles need kernel_type {', '.join(k.name for k in _ROUTING_KERNELS)}, "
                 f"this op has {self.config.kernel_type.name}",
             )
-        if tuple(routing.dest_slot.shape) != (self.world_size, self._m) or routing.dest_slot.device != (
-            self._recv_tok.device
+        if (
+            tuple(routing.dest_slot.shape) != (self.world_size, self._m)
+            or routing.dest_slot.device != self._recv_tok.device
+            or (routing.relay is None) != (self._inter is None)
+            or (
+                self._inter is not None
+                and routing.relay is not None
+                and tuple(routing.relay[2].shape) != (self._inter.n_slots, self._m, len(self._inter.fan))
+            )
         ):
             raise bad_value(func, "routing", routing, "a handle made by an op with the same config")
 
@@ -799,8 +904,9 @@ class EpDispatchCombineOp:
             (),
             barrier=False,
         )
+        direct = None if self._inter is None else self._inter.local  # ranks reached by stores
         if err is not None:
-            self._signal_all(0)  # "done", with nothing sent: the epochs stay in step on every rank
+            self._signal_all(0, direct)  # "done", with nothing sent: the epochs stay in step
             raise err
         nb = h * input.element_size()
         inp_b = input.contiguous().view(torch.uint8)
@@ -821,7 +927,7 @@ class EpDispatchCombineOp:
         else:
             dest_slot = routing.dest_slot
         overflow: list[int] = []
-        for p in range(w):
+        for p in range(w) if direct is None else direct:
             if routing is None:
                 toks = dest[:, p].nonzero().flatten()
                 cnt = toks.numel()
@@ -831,22 +937,39 @@ class EpDispatchCombineOp:
                 if off + cnt > self._r:
                     overflow.append(p)
                     continue
-                slots = torch.arange(off, off + cnt)
-                dest_slot[p, toks] = slots.to(torch.int32)
+                dest_slot[p, toks] = torch.arange(off, off + cnt, dtype=torch.int32)
+                slots: Any = slice(off, off + cnt)  # (a contiguous range: copies, no scatter)
             else:
                 toks = (dest_slot[p, :n] >= 0).nonzero().flatten()
                 if toks.numel() == 0:
                     continue
                 slots = dest_slot[p, toks].long()
             _, (dst, src) = _words(nb, self._p_tok[p], inp_b)
-            dst[slots] = src[toks]
+            self._copy_rows(dst, slots, src, toks)
             self._p_w[p][slots] = wts[toks]
             if sc_b is not None:
                 self._p_scales[p][:, :sb][slots] = sc_b[toks]
             self._p_idx[p][slots] = indices[toks]
             self._p_src[p][slots] = src_pos[toks]
-        self._signal_all(0)
+        relay = stream_error = None
+        if self._inter is not None:  # the streams to other nodes, then this rank's relay fan-out
+            got = self._inter.dispatch(
+                "EpDispatchCombineOp.dispatch",
+                input,
+                weights,
+                scales,
+                indices,
+                routing,
+                None if routing is not None else dest,
+                dest_slot,
+                counter,
+                self._disp_epoch,
+                overflow,
+            )
+            relay, stream_error = got["relay"], got["error"]
+        self._signal_all(0, direct)
         self._pending_dispatch = {
+            "relay": relay,
             "epoch": self._disp_epoch,
             "counter": counter,
             "dest_slot": dest_slot,
@@ -854,6 +977,10 @@ class EpDispatchCombineOp:
             "n": n,
             "count": count,
         }
+        if stream_error is not None:
+            self._pending_dispatch = None
+            self._last = None  # the rows of the bad stream are missing: nothing to combine
+            raise stream_error
         if overflow:
             raise MoriValueError(
                 f"EpDispatchCombineOp.dispatch: ranks {format_ranks(overflow)} would receive more than "
@@ -890,7 +1017,7 @@ class EpDispatchCombineOp:
                     self._kern.dest_slot, self._total_recv, self._recv_src, pend["n"], self._kern.recv_slot
                 )
             return
-        self._wait_all(func, 0, pend["epoch"])
+        self._wait_all(func, 0, pend["epoch"], None if self._inter is None else self._inter.local)
         addr = self._ctrl_addr(pend["counter"])
         total = shmem.shmem_atomic_fetch(addr, self.rank)
         shmem.shmem_atomic_set(addr, 0, self.rank)  # self-reset; see the module docstring
@@ -911,7 +1038,11 @@ class EpDispatchCombineOp:
             self._last = routing
         else:
             self._last = EpDispatchRoutingHandle(
-                pend["dest_slot"], self._total_recv.clone(), self._recv_src[:total].clone(), pend["n"]
+                pend["dest_slot"],
+                self._total_recv.clone(),
+                self._recv_src[:total].clone(),
+                pend["n"],
+                relay=pend["relay"],
             )
         if pend["count"]:
             idx = self._recv_idx[:total]
@@ -1081,27 +1212,46 @@ class EpDispatchCombineOp:
         self._comb_epoch += 1
         row = 3 + self._comb_epoch % 2
         self._post_call_words(row, _combine_words(input, weights, external))
-        self._signal_all(3 * w + 2)  # our staging buffer is free: the previous combine was summed
+        # rows no peer writes in this call are zeroed, so the sums can add whole blocks of rows
+        # (our staging is free: the previous combine was summed)
+        if quant == "none":
+            n_tok = handle.num_tokens
+            for p in range(w) if self._inter is None else self._inter.local:
+                absent = (handle.dest_slot[p, :n_tok] < 0).nonzero().flatten()
+                if absent.numel():
+                    self._stage_tok[p].index_fill_(0, absent, 0)
+                    self._stage_w[p].index_fill_(0, absent, 0.0)
+        if self._inter is not None:
+            self._inter.zero_absent(handle)
+        self._signal_all(3 * w + 2)  # our staging buffer is free
         self._wait_all(func, 3 * w + 2, self._comb_epoch)
         err = self._exchange(
             func, "each combine call's arguments", agreement.COMBINE_FIELDS, row, (), barrier=False
         )
+        direct = None if self._inter is None else self._inter.local
         if err is not None:
-            self._signal_all(w)  # "done", with nothing staged: the epochs stay in step on every rank
+            self._signal_all(w, direct)  # "done", with nothing staged: the epochs stay in step
             raise err
-        for p in range(w):
+        for p in range(w) if direct is None else direct:
             rows = (src_rank == p).nonzero().flatten()
             if rows.numel() == 0:
                 continue
             toks = src_tok[rows]
             _, (dst, src) = _words(nb, self._p_stage_tok[p][rank], inp_b)
-            dst[toks] = src[rows]
+            self._copy_rows(dst, toks, src, rows)
             if scales is not None:
                 assert self._p_stage_sc is not None
                 self._p_stage_sc[p][rank, :, : scales.shape[1]][toks] = scales[rows]
             if weights is not None:
                 self._p_stage_w[p][rank][toks] = weights[rows]
-        self._signal_all(w)
+        if self._inter is not None:
+            # rows of sources on other nodes: into their relays' staging, summed and sent there
+            far = (src_rank // self._inter.g != self._inter.node).nonzero().flatten()
+            self._inter.contribute(input[:total], weights, far, src_rank[far], src_tok[far])
+        self._signal_all(w, direct)
+        if self._inter is not None:  # as a relay: the node's contributions are in; send the sums
+            self._wait_all(func, w, self._comb_epoch, self._inter.fan)
+            self._inter.relay_combine(func, input, weights, handle, self._comb_epoch)
         out = torch.zeros(self._m, h, dtype=input.dtype)
         out_w = None if weights is None else torch.zeros(self._m, self._k, dtype=torch.float32)
         self._pending_combine = {"epoch": self._comb_epoch, "handle": handle, "out": out, "out_w": out_w}
@@ -1149,21 +1299,34 @@ class EpDispatchCombineOp:
             if pend["kernel_args"] is not None:
                 self._kern.combine(*pend["kernel_args"], phases=self._kern.kernels.REDUCE)
             return
-        self._wait_all(func, self.world_size, pend["epoch"])
+        direct = None if self._inter is None else self._inter.local
+        self._wait_all(func, self.world_size, pend["epoch"], direct)
         handle: EpDispatchRoutingHandle = pend["handle"]
         out, out_w = pend["out"], pend["out_w"]
         n, h = handle.num_tokens, out.shape[1]
         quant = self.config.quant_type
         nb = {"none": h * out.element_size(), "fp4_blockwise": h // 2}.get(quant, h)
-        acc = torch.zeros(n, h, dtype=torch.float32)
+        acc = self._scratch("acc", n * h, torch.float32).view(n, h)
+        fresh = True  # acc holds nothing yet: the first whole block is copied, not added to zeros
         acc_w = None if out_w is None else torch.zeros(n, self._k, dtype=torch.float32)
-        for p in range(self.world_size):  # fixed order: the sum is deterministic
+        for p in range(self.world_size) if direct is None else direct:  # fixed order: deterministic
             toks = (handle.dest_slot[p, :n] >= 0).nonzero().flatten()
             if toks.numel() == 0:
                 continue
-            if quant == "none":
-                rows = _words(nb, self._stage_tok[p])[1][0][toks].view(out.dtype).float()
-            elif quant == "fp4_blockwise":
+            if quant == "none":  # (rows of tokens not sent to p were zeroed: add them all)
+                block = _words(nb, self._stage_tok[p])[1][0][:n].view(out.dtype)
+                if fresh:
+                    acc.copy_(block)
+                else:
+                    acc.add_(block)
+                fresh = False
+                if acc_w is not None:
+                    acc_w.add_(self._stage_w[p][:n])
+                continue
+            if fresh:
+                acc.zero_()
+                fresh = False
+            if quant == "fp4_blockwise":
                 assert self._stage_sc is not None
                 packed = self._stage_tok[p, :, :nb][toks]
                 rows = fp4.dequantise(
@@ -1178,9 +1341,45 @@ class EpDispatchCombineOp:
             acc.index_add_(0, toks, rows)
             if acc_w is not None:
                 acc_w.index_add_(0, toks, self._stage_w[p][toks])
-        out[:n] = acc.to(out.dtype)
+        if fresh:
+            acc.zero_()
+        if self._inter is not None:  # then every other node's sum, node by node
+            self._inter.finish_combine(func, handle, out.dtype, h, acc, acc_w, pend["epoch"])
+        out[:n].copy_(acc)  # (cast once)
         if out_w is not None and acc_w is not None:
             out_w[:n] = acc_w
+
+    def _scratch(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat host buffer kept between calls (a fresh tensor of tens of MB costs its page
+        faults on every call, more than the arithmetic)."""
+        buf = self._scratch_bufs.get(key)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(max(numel, 1), dtype=dtype)
+            self._scratch_bufs[key] = buf
+        return buf[:numel]
+
+    def _copy_rows(self, dst: torch.Tensor, at: Any, src: torch.Tensor, idx: torch.Tensor) -> None:
+        """``dst[at] = src[idx]`` (``at`` a slice or an int64 index tensor) by row copies:
+        ``index_select`` / ``index_copy_`` run several times faster than advanced indexing."""
+        if isinstance(at, slice) and dst[at].is_contiguous():
+            torch.index_select(src, 0, idx, out=dst[at])
+            return
+        g = self._scratch("copy_rows", idx.numel() * src.shape[1], src.dtype).view(idx.numel(), src.shape[1])
+        torch.index_select(src, 0, idx, out=g)
+        if isinstance(at, slice):
+            dst[at].copy_(g)
+        else:
+            dst.index_copy_(0, at, g)
+
+    def _rows32(self, words: torch.Tensor, toks: torch.Tensor, dtype: torch.dtype, h: int) -> torch.Tensor:
+        """fp32 [len(toks), h]: rows ``toks`` of ``words`` (rows of 8/4/2/1-byte words holding
+        ``h`` elements of ``dtype``), gathered and converted in reusable buffers."""
+        c = toks.numel()
+        g = self._scratch("gather", c * words.shape[1], words.dtype).view(c, words.shape[1])
+        torch.index_select(words, 0, toks, out=g)
+        f = self._scratch("rows32", c * h, torch.float32).view(c, h)
+        f.copy_(g.view(dtype))
+        return f
 
     # -- introspection ---------------------------------------------------------------------------
 
@@ -1197,6 +1396,21 @@ class EpDispatchCombineOp:
             err = self._kern.disagreement(func)
             if err is not None:
                 raise err
+
+    def inter_node_traffic(self) -> dict[str, Any]:
+        """What this rank sent to ranks of other nodes since the operator was built (inter-node
+        kernel types only): ``dispatch_rows`` / ``combine_rows`` (wire rows of the streams: with
+        InterNodeV1/V1LL one per token and destination node, with InterNode one per token and
+        destination rank), ``dispatch_bytes`` / ``combine_bytes`` (their bytes), ``messages``
+        (every put, signal and atomic to another node, control included), the node layout and the
+        recorded RDMA settings (``num_qp_per_pe``, ``MORI_NUM_QP_PER_PE``, ``rdma_block_num``,
+        unused on the host path). Not collective."""
+        if self._inter is None:
+            raise MoriStateError(
+                "EpDispatchCombineOp.inter_node_traffic: only for kernel_type InterNode, InterNodeV1 or "
+                f"InterNodeV1LL; this op has {self.config.kernel_type.name}"
+            )
+        return self._inter.traffic()
 
     def get_dispatch_src_token_pos(self) -> torch.Tensor:
         """int32 [total_recv]: flat source position ``src_rank * world_size * M + src_tok`` of each
