@@ -2,8 +2,9 @@
 transport of the one transport contract (:mod:`mori.core.transport`).
 
 At init, if any PE of the job has a peer it cannot map, every PE opens the same network transport
-(``MORI_SHMEM_TRANSPORT``, else the usable one of highest priority: ``ucx`` when installed, else
-the built-in ``tcp``), registers its heap with it and exchanges address, remote key and heap base
+(``MORI_SHMEM_TRANSPORT``, else the usable one of highest priority: ``ucx`` where it has RDMA
+verbs, else the built-in ``tcp``, which authenticates peers and checks every request against the
+target's table where UCX's tcp/shared-memory transports do neither), registers its heap with it and exchanges address, remote key and heap base
 through the bootstrap. Each host call on such a PE is one transport operation, complete (remotely
 visible) when the call returns, as every host transfer is.
 """
