@@ -2,80 +2,21 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 from mori_backend_thor2 import VENDOR
 
-from mori.core.nic import VendorNicProvider, network_settings, scan_rdma_devices
-from mori.core.plugins import Plugins
-from mori.testing.fake_sysfs import NICS, eight_gpus_eight_nics, no_nic
+from mori.testing.nic_plugin import NicPluginCase, NicPluginTests
 
 
-def test_found_through_the_entry_point_with_a_true_reason_here() -> None:
-    found = {f.backend.name: f for f in Plugins().nic_providers()}
-    f = found["thor2"]
-    assert f.plugin.distribution == "mori-backend-thor2" and f.plugin.group == "mori.backends"
-    if not Path("/sys/class/infiniband").is_dir():  # this CI machine: no RDMA device at all
-        assert not f.availability.usable
-        assert f.availability.reason.startswith("no bnxt_re device in /sys/class/infiniband")
-
-
-def test_claims_its_devices_and_no_other_family(tmp_path: Path) -> None:
-    for fam in NICS:
-        eight_gpus_eight_nics(tmp_path / fam, family=fam)
-        claimed = [d for d in scan_rdma_devices(tmp_path / fam) if VENDOR.claims(d)]
-        assert len(claimed) == (8 if fam == "bnxt" else 0), fam
-
-
-def test_probe_on_a_node_with_eight_nics(tmp_path: Path) -> None:
-    eight_gpus_eight_nics(tmp_path, family="bnxt", inactive=(2,))
-    a = VendorNicProvider(VENDOR, tmp_path).probe()
-    assert a.usable, a.reason
-    assert "bnxt_re0 (bnxt_re device 0x1760, fw " in a.reason and "port 1 DOWN" in a.reason
-
-
-def test_probe_without_nic_or_library(tmp_path: Path) -> None:
-    no_nic(tmp_path)
-    a = VendorNicProvider(VENDOR, tmp_path).probe()
-    assert not a.usable and a.reason.startswith("no bnxt_re device in ")
-    eight_gpus_eight_nics(tmp_path / "nolib", family="bnxt", library=False)
-    a = VendorNicProvider(VENDOR, tmp_path / "nolib").probe()
-    assert not a.usable and "not installed" in a.reason
-
-
-def test_its_variables_are_listed_by_mori_env(capsys: pytest.CaptureFixture[str]) -> None:
-    from mori.core import cli
-
-    cli.main(["env"])
-    assert "MORI_BNXT_ENABLE_UDP_SPORT=" in capsys.readouterr().out
-
-
-def test_firmware_below_the_minimum_warns(tmp_path: Path) -> None:
-    eight_gpus_eight_nics(tmp_path, family="bnxt", fw="235.2.85")
-    a = VendorNicProvider(VENDOR, tmp_path).probe()
-    assert (
-        a.usable
-        and "WARNING: firmware below" in a.reason
-        and "minimum 235.2.86 on bnxt_re0 (235.2.85)" in a.reason
+class TestThor2(NicPluginTests):
+    case = NicPluginCase(
+        vendor=VENDOR,
+        distribution="mori-backend-thor2",
+        family="bnxt",
+        driver="bnxt_re",
+        first_device="bnxt_re0 (bnxt_re device 0x1760, fw ",
+        env_var="MORI_BNXT_ENABLE_UDP_SPORT",
+        max_send_wr=None,
+        fw_low="235.2.85",
+        fw_ok="235.2.86",
+        fw_warning="WARNING: firmware below bnxt_re's minimum 235.2.86 on bnxt_re0 (235.2.85)",
     )
-    eight_gpus_eight_nics(tmp_path / "ok", family="bnxt", fw="235.2.86")
-    assert "WARNING" not in VendorNicProvider(VENDOR, tmp_path / "ok").probe().reason
-
-
-def test_send_queue_cap_reaches_the_network_settings(tmp_path: Path, clean_env: pytest.MonkeyPatch) -> None:
-    eight_gpus_eight_nics(tmp_path, family="bnxt")
-    s = network_settings([VENDOR], tmp_path)
-    assert s.max_send_wr is None and s.vendors == ("thor2",) and len(s.ports) == 8
-
-
-def test_mori_backends_lists_it_with_its_reason(capsys: pytest.CaptureFixture[str]) -> None:
-    from mori.core import cli
-    from mori.core.plugins import reset_plugins
-
-    reset_plugins()
-    assert cli.main(["backends"]) == 0
-    line = next(s for s in capsys.readouterr().out.splitlines() if s.strip().startswith("thor2 "))
-    assert "mori-backend-thor2 0.1.0" in line
-    if not Path("/sys/class/infiniband").is_dir():
-        assert "unavailable" in line and "no bnxt_re device in /sys/class/infiniband" in line
