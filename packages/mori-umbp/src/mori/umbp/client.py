@@ -18,7 +18,7 @@ import ctypes
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mori.umbp.config import UMBPConfig, UMBPDeploymentMode, UMBPRole, UMBPTierType
@@ -421,40 +421,39 @@ class UMBPClient:
 
     # -- gets ------------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _read_pinned(
+        tier: Any, copy: Callable[[int, int, int], object], key: str, ptr: int, size: int, offset: int
+    ) -> bool | None:
+        """Copy ``key`` (or its range at ``offset``) out of a memory tier (HBM or DRAM) with
+        ``copy(dst, src, size)``, the entry pinned during the copy so that eviction leaves it: True;
+        False for a size or range the object does not have; None if the tier does not hold it."""
+        with tier.lock:
+            e = tier.lookup(key)
+            if e is None:
+                return None
+            if (offset < 0 and e.size != size) or (offset >= 0 and offset + size > e.size):
+                return False
+            e.pins += 1
+            tier.touch(key)
+        try:
+            copy(ptr, tier.base + e.offset + max(offset, 0), size)
+        finally:
+            with tier.lock:
+                e.pins -= 1
+        return True
+
     def _get(self, key: str, ptr: int, size: int, offset: int = -1, *, local_only: bool = False) -> bool:
         """``offset`` -1: the whole object (``size`` must equal its size); else a byte range of it.
         ``local_only``: never ask a peer (a peer's own Resolve must not start a fetch of its own)."""
         hbm = self._hbm
         if hbm is not None:
-            with hbm.lock:
-                h = hbm.lookup(key)
-                if h is not None:
-                    if (offset < 0 and h.size != size) or (offset >= 0 and offset + size > h.size):
-                        return False
-                    h.pins += 1
-                    hbm.touch(key)
-            if h is not None:
-                try:
-                    hbm.copy(ptr, hbm.base + h.offset + max(offset, 0), size)
-                finally:
-                    with hbm.lock:
-                        h.pins -= 1
-                return True
-        dram = self._dram
-        with dram.lock:
-            e = dram.lookup(key)
-            if e is not None:
-                if (offset < 0 and e.size != size) or (offset >= 0 and offset + size > e.size):
-                    return False
-                e.pins += 1
-                dram.touch(key)
-        if e is not None:
-            try:
-                self._copy(ptr, dram.base + e.offset + max(offset, 0), size)
-            finally:
-                with dram.lock:
-                    e.pins -= 1
-            return True
+            got = self._read_pinned(hbm, hbm.copy, key, ptr, size, offset)
+            if got is not None:
+                return got
+        got = self._read_pinned(self._dram, self._copy, key, ptr, size, offset)
+        if got is not None:
+            return got
         ssd = self._ssd
         if ssd is not None:
             # with an HBM tier ``ptr`` may be device memory, which the kernel cannot read a file into
