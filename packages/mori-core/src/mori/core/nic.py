@@ -23,6 +23,7 @@ from mori.core import env
 from mori.core.backend import Availability, NicProvider
 from mori.core.env import EnvVar
 from mori.core.errors import MoriValueError, bad_value
+from mori.core.plugins import hookimpl
 
 INFINIBAND = "sys/class/infiniband"
 PCI_DEVICES = "sys/bus/pci/devices"
@@ -357,6 +358,23 @@ class VendorNicProvider(NicProvider):
         return Availability(True, listed + ("; WARNING: " + "; ".join(warn) if warn else ""))
 
 
+class VendorPlugin:
+    """The whole plugin of a NIC family, from its descriptor: the provider (``mori_nic_providers``)
+    and the vendor's variables (``mori_env_vars``). A NIC plugin's ``mori.backends`` entry point
+    names one: ``mynic = "my_mori_nic.plugin:PLUGIN"`` with ``PLUGIN = VendorPlugin(VENDOR)``."""
+
+    def __init__(self, vendor: NicVendor) -> None:
+        self.vendor = vendor
+
+    @hookimpl
+    def mori_nic_providers(self) -> Sequence[NicProvider]:
+        return [VendorNicProvider(self.vendor)]
+
+    @hookimpl
+    def mori_env_vars(self) -> Sequence[EnvVar[object]]:
+        return list(self.vendor.env_vars)
+
+
 # -- choosing devices --------------------------------------------------------------------------
 
 
@@ -505,6 +523,7 @@ __all__ = [
     "RdmaDevice",
     "RdmaPort",
     "VendorNicProvider",
+    "VendorPlugin",
     "VendorReport",
     "find_library",
     "gid",
