@@ -3,6 +3,7 @@
 # travel in .whl/), then run the stages named on the command line, each logging to $OUT.
 #
 #   bash tools/gpu_session.sh setup tests      # every test marked cuda/gpu, ranks sharing the GPU under MPS
+#                                              # (the proxy's GPU test among them; tools/proxy_gpu_check.sh runs it alone)
 #   bash tools/gpu_session.sh setup bench      # the GPU benchmarks the issues ask for, JSON into $OUT
 #
 # Stages: setup (install), tests, bench. Ranks that share one GPU run under MPS (started and stopped

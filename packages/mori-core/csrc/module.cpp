@@ -11,7 +11,7 @@ namespace py = pybind11;
 PYBIND11_MODULE(_core, m) {
   m.doc() =
       "Native helpers of mori-core: POSIX shared-memory segments, host atomics and waits, the transport contract, "
-      "the one-sided transfer engine (TCP), the GPU copy queue and the staging copier.";
+      "the one-sided transfer engine (TCP), the GPU copy queue, the staging copier and the SHMEM proxy.";
 
   // Native errors surface as the MORI error hierarchy: std::invalid_argument as MoriValueError
   // (also a ValueError), any other std::exception as MoriBackendError (also a RuntimeError).
@@ -43,4 +43,5 @@ PYBIND11_MODULE(_core, m) {
   mori::register_transport(m);
   mori::register_transfer(m);
   mori::register_tcp_transport(m);
+  mori::register_proxy(m);
 }

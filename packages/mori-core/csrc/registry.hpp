@@ -9,4 +9,5 @@ void register_copy(pybind11::module_& m);
 void register_transport(pybind11::module_& m);
 void register_transfer(pybind11::module_& m);
 void register_tcp_transport(pybind11::module_& m);
+void register_proxy(pybind11::module_& m);
 }  // namespace mori

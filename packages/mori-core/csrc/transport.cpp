@@ -11,6 +11,7 @@
 #include "errors.hpp"
 #include "mori/transport.h"
 #include "registry.hpp"
+#include "transport_objects.hpp"
 
 namespace py = pybind11;
 
@@ -18,11 +19,17 @@ namespace mori {
 
 namespace {
 
-[[noreturn]] void raise(const char* what, int rc, const mori_tp_error& e) {
+[[noreturn]] void raise(const char* what, int rc, const mori_tp_error& e) { raise_transport_error(what, rc, e); }
+
+}  // namespace
+
+[[noreturn]] void raise_transport_error(const char* what, int rc, const mori_tp_error& e) {
   std::string msg = std::string(what) + ": " + (e.message[0] ? e.message : "failed") + " (code " + std::to_string(rc) + ")";
   raise_error(rc == MORI_TP_EINVAL ? "MoriValueError" : rc == MORI_TP_ETIMEDOUT ? "MoriTimeoutError" : "MoriBackendError",
               msg);
 }
+
+namespace {
 
 const mori_tp_ops* ops_of(py::handle arg) {
   if (!PyCapsule_CheckExact(arg.ptr()))
@@ -35,67 +42,6 @@ const mori_tp_ops* ops_of(py::handle arg) {
   if (!ops || ops->abi != MORI_TRANSPORT_ABI || ops->size < sizeof(mori_tp_ops))
     raise_error("MoriValueError", "the transport's ops table is not ABI version " + std::to_string(MORI_TRANSPORT_ABI));
   return ops;
-}
-
-// One transport instance; everything made from it keeps it alive.
-struct Instance {
-  const mori_tp_ops* ops;
-  mori_tp* tp;
-  py::object capsule;  // keeps the plugin's module (and so its ops table) loaded
-  ~Instance() {
-    if (tp) {
-      py::gil_scoped_release nogil;
-      ops->destroy(tp);
-    }
-  }
-};
-using InstancePtr = std::shared_ptr<Instance>;
-
-struct Memory {
-  InstancePtr in;
-  mori_tp_mem* mem;
-  uint64_t addr, size;
-  ~Memory() {
-    if (mem) in->ops->dereg(in->tp, mem);
-  }
-  py::bytes rkey() const {
-    std::string buf(256, '\0');
-    size_t len = buf.size();
-    mori_tp_error e{};
-    int rc = in->ops->pack_rkey(in->tp, mem, buf.data(), &len, &e);
-    if (rc == MORI_TP_EINVAL && len > buf.size()) {
-      buf.assign(len, '\0');
-      rc = in->ops->pack_rkey(in->tp, mem, buf.data(), &len, &e);
-    }
-    if (rc != 0) raise("pack_rkey", rc, e);
-    buf.resize(len);
-    return py::bytes(buf);
-  }
-};
-
-struct Endpoint;
-
-struct RemoteKey {
-  InstancePtr in;
-  std::shared_ptr<Endpoint> ep;
-  mori_tp_rkey* rkey;
-  ~RemoteKey();
-};
-
-struct Endpoint {
-  InstancePtr in;
-  mori_tp_ep* ep;
-  ~Endpoint() {
-    if (ep) {
-      py::gil_scoped_release nogil;
-      in->ops->disconnect(in->tp, ep);
-    }
-  }
-};
-using EndpointPtr = std::shared_ptr<Endpoint>;
-
-RemoteKey::~RemoteKey() {
-  if (rkey) in->ops->release_rkey(in->tp, rkey);
 }
 
 // A pending operation; keeps what it uses alive until it completed.

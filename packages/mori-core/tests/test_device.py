@@ -73,7 +73,8 @@ def _identity_and_p2p(rank: int, n: int) -> None:
     assert ctx is shd.shmem_device_context(), "the context tensor is cached"
     buf_addr = sh.shmem_malloc(n * 64 * 4)
     off = buf_addr - sh.shmem_heap_info()["base"]
-    expected = [rank, n] + [sh.shmem_ptr_p2p(buf_addr, rank, p) - off for p in range(n)]
+    # the last word is the proxy's ring: 0, every PE is on this node
+    expected = [rank, n] + [sh.shmem_ptr_p2p(buf_addr, rank, p) - off for p in range(n)] + [0]
     assert ctx.dtype == torch.int64 and ctx.tolist() == expected
 
     out = torch.zeros(2, dtype=torch.int64)

@@ -86,6 +86,61 @@ class TransportInstance:
 def transport_open(ops: object, options: str = "") -> TransportInstance: ...
 def tcp_transport_ops() -> object: ...
 
+# -- the SHMEM proxy (csrc/proxy.cpp; used by mori.shmem.network) ---------------------------------
+
+PROXY_LAYOUT: dict[str, int]
+
+class Proxy:
+    def __init__(
+        self,
+        transport: TransportInstance,
+        my_pe: int,
+        n_pes: int,
+        heap_base: int,
+        heap_size: int,
+        heap: TransportMemory,
+        ring: int,
+        ring_bytes: int,
+        nslots: int,
+        piece: int,
+        timeout_s: float,
+    ) -> None: ...
+    def add_peer(self, pe: int, endpoint: TransportEndpoint, rkey: TransportRemoteKey, base: int) -> None: ...
+    def add_local(self, memory: TransportMemory) -> None: ...
+    def remove_local(self, addr: int) -> None: ...
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def set_paused(self, paused: bool) -> None: ...
+    def check(self) -> None: ...
+    def quiet(self, timeout_s: float) -> None: ...
+    def submit(
+        self,
+        op: int,
+        pe: int,
+        dst: int = 0,
+        src: int = 0,
+        nbytes: int = 0,
+        amo: int = 0,
+        word: int = 0,
+        value: int = 0,
+        compare: int = 0,
+        sig_addr: int = 0,
+        reply: bool = False,
+        timeout_s: float = 10.0,
+    ) -> tuple[int, int]: ...
+    @property
+    def head(self) -> int: ...
+    @property
+    def completed(self) -> int: ...
+    @property
+    def error_code(self) -> int: ...
+    @property
+    def error_message(self) -> str: ...
+    @property
+    def running(self) -> bool: ...
+    @staticmethod
+    def ring_size(nslots: int) -> int: ...
+
 # -- the one-sided transfer machinery (csrc/transfer/; public face: mori.core.transfer) -----------
 
 class StatusCode(enum.IntEnum):

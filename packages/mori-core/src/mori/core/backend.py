@@ -74,6 +74,38 @@ class PeerSegment(ABC):
         """Unmap. Called once, at finalize."""
 
 
+class MappedHostMemory(ABC):
+    """Host memory that this process's host threads and its device code both reach: the proxy's
+    request ring. ``host_addr`` is the address host code uses, ``device_addr`` the one kernels use
+    (equal on the cpu runtime). Zeroed when allocated."""
+
+    host_addr: int
+    device_addr: int
+    size: int
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the memory. Called once, after every user of it stopped."""
+
+
+class _PlainHostMemory(MappedHostMemory):
+    """Ordinary host memory (anonymous pages): what kernels reach on a host-memory runtime."""
+
+    def __init__(self, size: int) -> None:
+        import mmap
+
+        self._map: mmap.mmap | None = mmap.mmap(-1, size)
+        self._view = (ctypes.c_uint8 * size).from_buffer(self._map)
+        self.host_addr = self.device_addr = ctypes.addressof(self._view)
+        self.size = size
+
+    def close(self) -> None:
+        if self._map is not None:
+            del self._view
+            self._map.close()
+            self._map = None
+
+
 class DeviceRuntime(ABC):
     """A kind of memory the symmetric heap can live in, and the device that computes on it."""
 
@@ -114,6 +146,15 @@ class DeviceRuntime(ABC):
         Default: no check here (device memory is checked by the driver when a copy uses it, which
         fails with an error, not a crash). Host-memory runtimes check the process's mappings.
         """
+
+    def alloc_mapped_host(self, size: int) -> MappedHostMemory:
+        """``size`` zeroed bytes of host memory that device code of this runtime loads, stores and
+        does atomics on, and host threads too (pinned and mapped into the device on a GPU).
+
+        Default: ordinary host memory, which is right for runtimes whose kernels run on the CPU
+        (the ``cpu`` runtime, the Triton interpreter). GPU runtimes override it.
+        """
+        return _PlainHostMemory(size)
 
     # -- how the host touches heap memory; every address is one this process has mapped ---------
 

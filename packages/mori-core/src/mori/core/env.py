@@ -152,6 +152,31 @@ MORI_SHMEM_TRANSPORT = EnvVar(
     "tcp",
     str,
 )
+
+
+def parse_ring_slots(text: str) -> int:
+    value = int(text)
+    if value < 4 or value > 1 << 20 or value & (value - 1):
+        raise ValueError("expected a power of two in [4, 1048576]")
+    return value
+
+
+MORI_SHMEM_PROXY_SLOTS = EnvVar(
+    "MORI_SHMEM_PROXY_SLOTS",
+    "256",
+    "Requests the proxy's ring holds (device-initiated operations on PEs of other nodes); a full "
+    "ring makes the device wait. 128 bytes of pinned host memory each.",
+    "1024",
+    parse_ring_slots,
+    "a power of two in [4, 1048576]",
+)
+MORI_SHMEM_PROXY_PIECE = EnvVar(
+    "MORI_SHMEM_PROXY_PIECE",
+    "1M",
+    "Largest transport operation the proxy posts: larger puts and gets are split into pieces of this size.",
+    "4M",
+    parse_size,
+)
 MORI_AUTH_TOKEN = EnvVar(
     "MORI_AUTH_TOKEN",
     None,
@@ -180,8 +205,8 @@ MORI_DISABLE_P2P = EnvVar(
     "MORI_DISABLE_P2P",
     "0",
     "Do not use load/store transports between ranks: every peer is reached through the network "
-    "transport (the original's proxy path; MORI_SHMEM_TRANSPORT picks it). The device API does not "
-    "reach such peers yet.",
+    "transport (the original's proxy path; MORI_SHMEM_TRANSPORT picks it); the device API reaches "
+    "them through the proxy.",
     "1",
     parse_bool,
 )
@@ -281,6 +306,8 @@ ALL: tuple[EnvVar[object], ...] = (
     MORI_SOCKET_IFNAME,
     MORI_AUTH_TOKEN,
     MORI_SHMEM_TRANSPORT,
+    MORI_SHMEM_PROXY_SLOTS,
+    MORI_SHMEM_PROXY_PIECE,
     MORI_DEVICE_RUNTIME,
     MORI_DISABLE_P2P,
     MORI_PRECOMPILE,

@@ -228,6 +228,8 @@ class ShmemContext:
     def barrier_all(self, *, what: str = "shmem_barrier_all") -> None:
         """Each PE writes its barrier number into its slot on every peer, then waits for all slots."""
         with self.lock:
+            if self.network is not None:  # what device code handed to the proxy is complete first
+                self.network.quiet(what)
             self.host_barrier_epoch += 1
             epoch = self.host_barrier_epoch
             slot = layout.HOST_BARRIER_OFF + self.my_pe * layout.SLOT_BYTES

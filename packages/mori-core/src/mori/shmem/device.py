@@ -8,8 +8,9 @@ This is our form of the original's device bitcode: import the module and call it
 
 **The context.** A kernel that uses the device API takes one extra argument, the shmem context
 ``ctx_ptr``: the int64 tensor returned by :func:`shmem_device_context` (host side), laid out as
-``[my_pe, n_pes, base_0, ..., base_{n_pes-1}]`` where ``base_p`` is the address, in this process,
-of PE ``p``'s heap. Every device function that needs it takes ``ctx_ptr`` as its last runtime
+``[my_pe, n_pes, base_0, ..., base_{n_pes-1}, ring]`` where ``base_p`` is the address, in this
+process, of PE ``p``'s heap (0 if loads and stores cannot reach it) and ``ring`` the address of this
+PE's proxy ring (0 if every PE is load/store reachable). Every device function that needs it takes ``ctx_ptr`` as its last runtime
 argument (before any ``tl.constexpr`` ones)::
 
     from mori.shmem import device as shd
@@ -26,10 +27,30 @@ argument (before any ``tl.constexpr`` ones)::
 :func:`ptr_p2p` turns it into a pointer to that PE's copy, which plain loads and stores reach.
 Pointers are typed: sizes are in elements of the pointer's type unless a name says bytes.
 
-**Reach.** Device functions use loads, stores and atomics, so the PEs they touch must be load/store
-reachable from this one (``shmem_ptr_p2p`` is non-zero): all PEs of a node on the ``cpu`` runtime
-and GPUs of one node over NVLink / xGMI. Remote PEs would need the proxy, which this API does not
-reach yet.
+**Reach.** A PE that loads and stores reach (``shmem_ptr_p2p`` is non-zero: all PEs of a node on
+the ``cpu`` runtime, GPUs of one node over NVLink / xGMI) is accessed directly. Any other PE (another
+node, or every peer with ``MORI_DISABLE_P2P=1``) is served by this PE's **proxy**: the function
+writes a request into the proxy's ring (a 128-byte slot: reserve a ticket with a fetch-add on the
+ring's head, wait while the slot is still in use -- a full ring waits, it never overwrites -- write
+the fields, publish with a release store of the slot's sequence word) and a host thread executes it
+on the network transport (``csrc/proxy.cpp``). Then:
+
+* :func:`putmem_block`, :func:`put_signal_block`, :func:`signal_op`, :func:`atomic_set` and
+  :func:`atomic_add` return once the request is queued: the source of a put must not change
+  until :func:`quiet` (the original's ``nbi`` semantics); local buffers must be symmetric heap
+  memory or registered with ``shmem_buffer_register``;
+* :func:`getmem_block` and the fetching atomics wait for the proxy's answer;
+* :func:`fence` orders the proxy's operations, :func:`quiet` waits until the proxy has completed
+  every request issued before (the ring's completed counter reaches the head), and
+  :func:`barrier_all` quiets first;
+* the proxy checks every request (PE, heap range, registered local memory) and refuses bad ones.
+  A kernel cannot raise: after a refusal or a transport failure the proxy executes nothing more,
+  device waits on it stop (results are then undefined) and the next host call that waits on the
+  proxy (``shmem_quiet``, ``shmem_barrier_all``, ...) raises
+  :class:`~mori.core.errors.MoriBackendError` naming the PE.
+
+Measured under the Triton interpreter on CPU (2 emulated nodes x 2 ranks over ``tcp`` and ``ucx``);
+the GPU path (the ring in pinned host memory mapped into the GPU) has not run on a GPU yet.
 
 **Memory order.** Atomics take ``SEM`` (``"relaxed"``, ``"acquire"``, ``"release"``,
 ``"acq_rel"``) and ``SCOPE`` (``"cta"``, ``"gpu"``, ``"sys"``); the default is ``"acq_rel"`` at
@@ -112,7 +133,7 @@ SHMEM_CMP_GE = tl.constexpr(host.SHMEM_CMP_GE)
 SHMEM_CMP_LT = tl.constexpr(host.SHMEM_CMP_LT)
 SHMEM_CMP_LE = tl.constexpr(host.SHMEM_CMP_LE)
 
-# context tensor: [my_pe, n_pes, base_0, ..., base_{n_pes-1}]
+# context tensor: [my_pe, n_pes, base_0, ..., base_{n_pes-1}, ring]
 _CTX_MY_PE = tl.constexpr(0)
 _CTX_N_PES = tl.constexpr(1)
 _CTX_BASES = tl.constexpr(2)
@@ -126,6 +147,40 @@ _DEVICE_BARRIER_OFF = tl.constexpr(layout.DEVICE_BARRIER_OFF)
 _DEVICE_BARRIER_EPOCH_OFF = tl.constexpr(layout.DEVICE_BARRIER_EPOCH_OFF)
 _SLOT_BYTES = tl.constexpr(layout.SLOT_BYTES)
 
+# the proxy's ring (mori.shmem.layout), as int64 word indices
+_RING_HEAD = tl.constexpr(layout.RING_HEAD // 8)
+_RING_COMPLETED = tl.constexpr(layout.RING_COMPLETED // 8)
+_RING_ERROR = tl.constexpr(layout.RING_ERROR // 8)
+_RING_SLOT_COUNT = tl.constexpr(layout.RING_SLOT_COUNT // 8)
+_RING_SLOTS = tl.constexpr(layout.RING_SLOTS // 8)
+_RING_SLOT_WORDS = tl.constexpr(layout.RING_SLOT_BYTES // 8)
+_W_SEQ = tl.constexpr(layout.W_SEQ)
+_W_OP = tl.constexpr(layout.W_OP)
+_W_PE = tl.constexpr(layout.W_PE)
+_W_FLAGS = tl.constexpr(layout.W_FLAGS)
+_W_AMO = tl.constexpr(layout.W_AMO)
+_W_WORD = tl.constexpr(layout.W_WORD)
+_W_DST = tl.constexpr(layout.W_DST)
+_W_SRC = tl.constexpr(layout.W_SRC)
+_W_NBYTES = tl.constexpr(layout.W_NBYTES)
+_W_VALUE = tl.constexpr(layout.W_VALUE)
+_W_COMPARE = tl.constexpr(layout.W_COMPARE)
+_W_SIG_ADDR = tl.constexpr(layout.W_SIG_ADDR)
+_W_RESULT = tl.constexpr(layout.W_RESULT)
+_OP_PUT = tl.constexpr(layout.OP_PUT)
+_OP_GET = tl.constexpr(layout.OP_GET)
+_OP_AMO = tl.constexpr(layout.OP_AMO)
+_OP_PUT_SIGNAL = tl.constexpr(layout.OP_PUT_SIGNAL)
+_OP_FENCE = tl.constexpr(layout.OP_FENCE)
+_FLAG_REPLY = tl.constexpr(layout.FLAG_REPLY)
+# the transport's atomic codes (mori/transport.h)
+_TP_FETCH = tl.constexpr(0)
+_TP_SET = tl.constexpr(1)
+_TP_ADD = tl.constexpr(2)
+_TP_SWAP = tl.constexpr(3)
+_TP_OR = tl.constexpr(5)
+_TP_CSWAP = tl.constexpr(7)
+
 # default memory order of the atomics
 _ACQ_REL = tl.constexpr("acq_rel")
 _SYS = tl.constexpr("sys")
@@ -137,10 +192,11 @@ _SYS = tl.constexpr("sys")
 def shmem_device_context() -> torch.Tensor:
     """The context tensor that kernels using this API take as ``ctx_ptr``.
 
-    int64 tensor ``[2 + n_pes]`` on the runtime's torch device (``cpu`` or ``cuda``):
-    ``[my_pe, n_pes, base_0, ..., base_{n_pes-1}]``, ``base_p`` = address of PE ``p``'s heap in this
-    process, ``0`` if PE ``p`` is not load/store reachable. Made once per ``shmem_init`` and cached;
-    do not modify it. Not collective.
+    int64 tensor ``[3 + n_pes]`` on the runtime's torch device (``cpu`` or ``cuda``):
+    ``[my_pe, n_pes, base_0, ..., base_{n_pes-1}, ring]``, ``base_p`` = address of PE ``p``'s heap
+    in this process, ``0`` if PE ``p`` is not load/store reachable; ``ring`` = the device address of
+    this PE's proxy ring, ``0`` without one. Made once per ``shmem_init`` and cached; do not modify
+    it. Not collective.
     """
     import torch
 
@@ -154,7 +210,8 @@ def shmem_device_context() -> torch.Tensor:
                 f"{func}: the heaps of PEs {odd} are mapped at addresses that are not {_BASE_ALIGN}-byte "
                 f"aligned ({[hex(ctx.bases[p]) for p in odd]}); the device API needs aligned heaps"
             )
-        values = [ctx.my_pe, ctx.n_pes, *ctx.bases]
+        ring = ctx.network.ring.device_addr if ctx.network is not None else 0
+        values = [ctx.my_pe, ctx.n_pes, *ctx.bases, ring]
         cached = torch.tensor(values, dtype=torch.int64, device=ctx.runtime.torch_device_of_heap())
         ctx.device_context = cached
     return cached  # type: ignore[no-any-return]
@@ -180,8 +237,23 @@ def n_pes(ctx_ptr):
 @device_function
 @triton.jit
 def _heap_base(pe, ctx_ptr):
-    # address (int64) of PE pe's heap in this process; 0 if it is not reachable
-    return tl.load(ctx_ptr + _CTX_BASES + pe)
+    # address (int64) of PE pe's heap in this process; 0 if it is not load/store reachable or pe is
+    # out of range (then the proxy gets the request, and refuses it)
+    ok = (pe >= 0) & (pe < n_pes(ctx_ptr))
+    return tl.load(ctx_ptr + _CTX_BASES + pe, mask=ok, other=0)
+
+
+@device_function
+@triton.jit
+def _translate(ptr, pe, ctx_ptr):
+    # ptr moved to PE pe's heap (pe load/store reachable)
+    delta = _heap_base(pe, ctx_ptr) - _heap_base(my_pe(ctx_ptr), ctx_ptr)
+    # Both bases are 16-byte aligned, so the byte distance is a whole number of elements: move the
+    # pointer by elements (not through an int64), so the compiler still knows the result's
+    # alignment and keeps the accesses vectorised.
+    delta = tl.multiple_of(delta, _BASE_ALIGN_C)
+    ELEM_BYTES: tl.constexpr = (ptr.dtype.element_ty.primitive_bitwidth + 7) // 8
+    return ptr + delta // ELEM_BYTES
 
 
 @device_function
@@ -191,15 +263,144 @@ def ptr_p2p(ptr, pe, ctx_ptr):
 
     ``ptr``: a pointer (or a block of pointers) into this PE's heap; the result has the same type
     and shape. Heaps are symmetric, so the translation adds ``base_pe - base_me`` bytes. The result
-    is meaningless if ``pe`` is not load/store reachable (its base in the context is 0).
+    is null if ``pe`` is not load/store reachable (another node: use the put/get/atomic functions,
+    which go through the proxy) or out of range: address 0 when ``ptr`` is 16-byte aligned (every
+    ``shmem_malloc`` block is), as the original's ``ShmemPtrP2p``, else ``ptr % 16``, inside the
+    never-mapped first page.
     """
-    delta = _heap_base(pe, ctx_ptr) - _heap_base(my_pe(ctx_ptr), ctx_ptr)
-    # Both bases are 16-byte aligned, so the byte distance is a whole number of elements: move the
-    # pointer by elements (not through an int64), so the compiler still knows the result's
-    # alignment and keeps the accesses vectorised.
-    delta = tl.multiple_of(delta, _BASE_ALIGN_C)
+    peer = _heap_base(pe, ctx_ptr)
     ELEM_BYTES: tl.constexpr = (ptr.dtype.element_ty.primitive_bitwidth + 7) // 8
-    return ptr + delta // ELEM_BYTES
+    STEP: tl.constexpr = _BASE_ALIGN_C // ELEM_BYTES  # elements in 16 bytes (every element is <= 8 bytes)
+    # Reachable: move by the heaps' distance (a multiple of 16 bytes). Unreachable: move by minus
+    # the address rounded down to 16 bytes, which lands on address (ptr % 16): 0 for an aligned
+    # pointer, inside the never-mapped first page otherwise. Both offsets are whole 16-byte steps,
+    # so the hint below is true either way and accesses through the result stay vectorised; the
+    # choice is made on the offset, not between two pointers (a select of pointers breaks AMD's
+    # pointer canonicalisation).
+    delta = (peer - _heap_base(my_pe(ctx_ptr), ctx_ptr)) // ELEM_BYTES
+    to_null = -(ptr.to(tl.int64, bitcast=True) // _BASE_ALIGN_C) * STEP
+    return ptr + tl.multiple_of(tl.where(peer != 0, delta, to_null), STEP)
+
+
+# -- the proxy ------------------------------------------------------------------------------------
+
+
+@device_function
+@triton.jit
+def _ring_addr(ctx_ptr):
+    # address (int64) of this PE's proxy ring; 0 without one
+    return tl.load(ctx_ptr + _CTX_BASES + n_pes(ctx_ptr))
+
+
+@device_function
+@triton.jit
+def _ring(ctx_ptr):
+    # int64 pointer to this PE's proxy ring
+    return _ring_addr(ctx_ptr).to(tl.pointer_type(tl.int64))
+
+
+@device_function
+@triton.jit
+def _ring_wait(word_ptr, target, ring):
+    # Spin until the ring word at word_ptr is >= target (acquire), or the proxy has failed (its
+    # error word is set: then nothing more completes, and the host raises).
+    v = tl.atomic_add(word_ptr, 0, sem="acquire", scope="sys")
+    err = tl.load(ring + _RING_ERROR, volatile=True)
+    while (v < target) & (err == 0):
+        v = tl.atomic_add(word_ptr, 0, sem="acquire", scope="sys")
+        err = tl.load(ring + _RING_ERROR, volatile=True)
+    return v
+
+
+@device_function
+@triton.jit
+def _address(ptr):
+    # a pointer as an int64 address
+    return tl.cast(ptr, tl.int64)
+
+
+@device_function
+@triton.jit
+def _word_code(ptr):
+    # the transport's word type of ptr's element: int32 0, uint32 1, int64 2, uint64 3
+    ty: tl.constexpr = ptr.dtype.element_ty
+    tl.static_assert(
+        ty.is_int() & ((ty.primitive_bitwidth == 32) | (ty.primitive_bitwidth == 64)),
+        "atomics and signals take int32, uint32, int64 or uint64 words",
+    )
+    CODE: tl.constexpr = (ty.primitive_bitwidth // 32 - 1) * 2 + ty.is_int_unsigned()
+    return CODE
+
+
+@device_function
+@triton.jit
+def _proxy_request(
+    # this PE's proxy ring (from _ring), the operation (_OP_*) and the target PE
+    ring,
+    op,
+    pe,
+    # addresses (int64): symmetric ones as this PE sees them, local ones in registered memory
+    dst,
+    src,
+    nbytes,
+    # atomics and signals: transport operation and word type, operands, signal word
+    amo,
+    word,
+    value,
+    compare,
+    sig_addr,
+    # wait for the proxy's answer and return it (get, fetching atomics)
+    REPLY: tl.constexpr,
+):
+    # Algorithm (csrc/proxy.cpp has the proxy's half): reserve ticket t with a fetch-add on the
+    # head; wait until slot t % N is free (its sequence word is t); write the fields; publish with
+    # a release store of seq = t + 1. With REPLY, wait for seq = t + 2 (the proxy wrote the
+    # result), read the result, free the slot with seq = t + N. Returns the result (int64; 0
+    # without REPLY; undefined if the proxy failed).
+    nslots = tl.load(ring + _RING_SLOT_COUNT)
+    t = tl.atomic_add(ring + _RING_HEAD, 1, sem="relaxed", scope="sys")
+    slot = ring + _RING_SLOTS + (t % nslots) * _RING_SLOT_WORDS
+    _ring_wait(slot + _W_SEQ, t, ring)
+    tl.store(slot + _W_OP, tl.cast(op, tl.int64))
+    tl.store(slot + _W_PE, tl.cast(pe, tl.int64))
+    tl.store(slot + _W_FLAGS, tl.cast(_FLAG_REPLY if REPLY else 0, tl.int64))
+    tl.store(slot + _W_AMO, tl.cast(amo, tl.int64))
+    tl.store(slot + _W_WORD, tl.cast(word, tl.int64))
+    tl.store(slot + _W_DST, tl.cast(dst, tl.int64))
+    tl.store(slot + _W_SRC, tl.cast(src, tl.int64))
+    tl.store(slot + _W_NBYTES, tl.cast(nbytes, tl.int64))
+    tl.store(slot + _W_VALUE, tl.cast(value, tl.int64))
+    tl.store(slot + _W_COMPARE, tl.cast(compare, tl.int64))
+    tl.store(slot + _W_SIG_ADDR, tl.cast(sig_addr, tl.int64))
+    tl.debug_barrier()  # every thread's stores are issued before the release below (one thread)
+    tl.atomic_xchg(slot + _W_SEQ, t + 1, sem="release", scope="sys")
+    result = tl.cast(0, tl.int64)
+    if REPLY:
+        _ring_wait(slot + _W_SEQ, t + 2, ring)
+        result = tl.load(slot + _W_RESULT, volatile=True)
+        tl.atomic_xchg(slot + _W_SEQ, t + nslots, sem="release", scope="sys")
+    return result
+
+
+@device_function
+@triton.jit
+def _proxy_atomic(ptr, amo, value, compare, pe, ctx_ptr, REPLY: tl.constexpr):
+    # an atomic on the word at ptr on PE pe through the proxy; returns the old value (REPLY)
+    old = _proxy_request(
+        _ring(ctx_ptr),
+        _OP_AMO,
+        pe,
+        _address(ptr),
+        0,
+        0,
+        amo,
+        _word_code(ptr),
+        tl.cast(value, ptr.dtype.element_ty),
+        tl.cast(compare, ptr.dtype.element_ty),
+        0,
+        REPLY,
+    )
+    return tl.cast(old, ptr.dtype.element_ty)
 
 
 # -- block copies -------------------------------------------------------------------------------------
@@ -253,9 +454,27 @@ def putmem_block(
     The calling program copies the whole range with vectorised loads and stores, ``BLOCK`` elements
     per step; split a large copy over programs by giving each its own sub-range. The stores are
     issued when it returns; use :func:`put_signal_block` (or :func:`quiet` and a release atomic)
-    to tell the peer, or the end of the kernel.
+    to tell the peer, or the end of the kernel. A PE on another node: one request to the proxy
+    (``src_ptr`` in the heap or a registered buffer, unchanged until :func:`quiet`).
     """
-    _copy_block(ptr_p2p(dst_ptr, pe, ctx_ptr), src_ptr, n_elems, BLOCK)
+    if _heap_base(pe, ctx_ptr) == 0:
+        ELEM_BYTES: tl.constexpr = (dst_ptr.dtype.element_ty.primitive_bitwidth + 7) // 8
+        _proxy_request(
+            _ring(ctx_ptr),
+            _OP_PUT,
+            pe,
+            _address(dst_ptr),
+            _address(src_ptr),
+            n_elems * ELEM_BYTES,
+            0,
+            0,
+            0,
+            0,
+            0,
+            False,
+        )
+    else:
+        _copy_block(_translate(dst_ptr, pe, ctx_ptr), src_ptr, n_elems, BLOCK)
 
 
 @device_function
@@ -275,9 +494,27 @@ def getmem_block(
 ):
     """Copy ``n_elems`` elements from ``src_ptr`` on PE ``pe`` to local ``dst_ptr``. Block scope.
 
-    The data has arrived when it returns (loads complete before the stores that use them).
+    The data has arrived when it returns (loads complete before the stores that use them; from a
+    PE on another node, the proxy answered; ``dst_ptr`` must be in the heap or a registered buffer).
     """
-    _copy_block(dst_ptr, ptr_p2p(src_ptr, pe, ctx_ptr), n_elems, BLOCK)
+    if _heap_base(pe, ctx_ptr) == 0:
+        ELEM_BYTES: tl.constexpr = (dst_ptr.dtype.element_ty.primitive_bitwidth + 7) // 8
+        _proxy_request(
+            _ring(ctx_ptr),
+            _OP_GET,
+            pe,
+            _address(dst_ptr),
+            _address(src_ptr),
+            n_elems * ELEM_BYTES,
+            0,
+            0,
+            0,
+            0,
+            0,
+            True,
+        )
+    else:
+        _copy_block(dst_ptr, _translate(src_ptr, pe, ctx_ptr), n_elems, BLOCK)
 
 
 # -- signals ------------------------------------------------------------------------------------------
@@ -296,11 +533,14 @@ def signal_op(sig_ptr, signal, SIG_OP: tl.constexpr, pe, ctx_ptr):
     tl.static_assert(
         (SIG_OP == SIGNAL_SET) | (SIG_OP == SIGNAL_ADD), "SIG_OP must be SIGNAL_SET or SIGNAL_ADD"
     )
-    peer_sig = ptr_p2p(sig_ptr, pe, ctx_ptr)
-    if SIG_OP == SIGNAL_SET:
-        tl.atomic_xchg(peer_sig, signal, sem="release", scope="sys")
+    if _heap_base(pe, ctx_ptr) == 0:
+        _proxy_atomic(sig_ptr, _TP_SET if SIG_OP == SIGNAL_SET else _TP_ADD, signal, 0, pe, ctx_ptr, False)
     else:
-        tl.atomic_add(peer_sig, signal, sem="release", scope="sys")
+        peer_sig = _translate(sig_ptr, pe, ctx_ptr)
+        if SIG_OP == SIGNAL_SET:
+            tl.atomic_xchg(peer_sig, signal, sem="release", scope="sys")
+        else:
+            tl.atomic_add(peer_sig, signal, sem="release", scope="sys")
 
 
 @device_function
@@ -327,11 +567,29 @@ def put_signal_block(
     transfer, let the last one to finish send the signal (see ``put_signal_kernel`` in
     :mod:`mori.shmem.kernels`).
     """
-    putmem_block(dst_ptr, src_ptr, n_elems, pe, ctx_ptr, BLOCK)
-    # Every thread of the program has issued its stores; the release atomic below (one thread)
-    # is cumulative, so the peer that acquires the signal sees all of them.
-    tl.debug_barrier()
-    signal_op(sig_ptr, signal, SIG_OP, pe, ctx_ptr)
+    if _heap_base(pe, ctx_ptr) == 0:
+        # one request: the proxy puts, fences, then updates the signal
+        ELEM_BYTES: tl.constexpr = (dst_ptr.dtype.element_ty.primitive_bitwidth + 7) // 8
+        _proxy_request(
+            _ring(ctx_ptr),
+            _OP_PUT_SIGNAL,
+            pe,
+            _address(dst_ptr),
+            _address(src_ptr),
+            n_elems * ELEM_BYTES,
+            _TP_SET if SIG_OP == SIGNAL_SET else _TP_ADD,
+            _word_code(sig_ptr),
+            tl.cast(signal, sig_ptr.dtype.element_ty),
+            0,
+            _address(sig_ptr),
+            False,
+        )
+    else:
+        putmem_block(dst_ptr, src_ptr, n_elems, pe, ctx_ptr, BLOCK)
+        # Every thread of the program has issued its stores; the release atomic below (one
+        # thread) is cumulative, so the peer that acquires the signal sees all of them.
+        tl.debug_barrier()
+        signal_op(sig_ptr, signal, SIG_OP, pe, ctx_ptr)
 
 
 @device_function
@@ -384,42 +642,62 @@ def wait_until(ptr, CMP: tl.constexpr, value):
 # -- atomics on a peer's word ---------------------------------------------------------------------
 # ptr: this PE's address of a symmetric int32/uint32/int64/uint64 word (the pointer's type picks
 # the width); value/cond are converted to that type. Thread scope: the calling program does one
-# atomic. SEM / SCOPE: see the module docstring (default acq_rel, system scope).
+# atomic. SEM / SCOPE: see the module docstring (default acq_rel, system scope). A PE on another
+# node: the proxy does the atomic (the transport's; SEM / SCOPE do not apply), the fetching ones
+# wait for its answer.
 
 
 @device_function
 @triton.jit
 def atomic_fetch(ptr, pe, ctx_ptr, SEM: tl.constexpr = _ACQ_REL, SCOPE: tl.constexpr = _SYS):
     """Atomically read the word at ``ptr`` on PE ``pe`` (a read-modify-write that ors 0)."""
-    return tl.atomic_or(ptr_p2p(ptr, pe, ctx_ptr), 0, sem=SEM, scope=SCOPE)
+    if _heap_base(pe, ctx_ptr) == 0:
+        old = _proxy_atomic(ptr, _TP_FETCH, 0, 0, pe, ctx_ptr, True)
+    else:
+        old = tl.atomic_or(_translate(ptr, pe, ctx_ptr), 0, sem=SEM, scope=SCOPE)
+    return old
 
 
 @device_function
 @triton.jit
 def atomic_set(ptr, value, pe, ctx_ptr, SEM: tl.constexpr = _ACQ_REL, SCOPE: tl.constexpr = _SYS):
     """Atomically store ``value`` into the word at ``ptr`` on PE ``pe``."""
-    tl.atomic_xchg(ptr_p2p(ptr, pe, ctx_ptr), value, sem=SEM, scope=SCOPE)
+    if _heap_base(pe, ctx_ptr) == 0:
+        _proxy_atomic(ptr, _TP_SET, value, 0, pe, ctx_ptr, False)
+    else:
+        tl.atomic_xchg(_translate(ptr, pe, ctx_ptr), value, sem=SEM, scope=SCOPE)
 
 
 @device_function
 @triton.jit
 def atomic_add(ptr, value, pe, ctx_ptr, SEM: tl.constexpr = _ACQ_REL, SCOPE: tl.constexpr = _SYS):
     """Atomically add ``value`` to the word at ``ptr`` on PE ``pe`` (wraps on overflow)."""
-    tl.atomic_add(ptr_p2p(ptr, pe, ctx_ptr), value, sem=SEM, scope=SCOPE)
+    if _heap_base(pe, ctx_ptr) == 0:
+        _proxy_atomic(ptr, _TP_ADD, value, 0, pe, ctx_ptr, False)
+    else:
+        tl.atomic_add(_translate(ptr, pe, ctx_ptr), value, sem=SEM, scope=SCOPE)
 
 
 @device_function
 @triton.jit
 def atomic_fetch_add(ptr, value, pe, ctx_ptr, SEM: tl.constexpr = _ACQ_REL, SCOPE: tl.constexpr = _SYS):
     """Atomically add ``value`` to the word at ``ptr`` on PE ``pe``; return the previous value."""
-    return tl.atomic_add(ptr_p2p(ptr, pe, ctx_ptr), value, sem=SEM, scope=SCOPE)
+    if _heap_base(pe, ctx_ptr) == 0:
+        old = _proxy_atomic(ptr, _TP_ADD, value, 0, pe, ctx_ptr, True)
+    else:
+        old = tl.atomic_add(_translate(ptr, pe, ctx_ptr), value, sem=SEM, scope=SCOPE)
+    return old
 
 
 @device_function
 @triton.jit
 def atomic_swap(ptr, value, pe, ctx_ptr, SEM: tl.constexpr = _ACQ_REL, SCOPE: tl.constexpr = _SYS):
     """Atomically replace the word at ``ptr`` on PE ``pe`` with ``value``; return the previous value."""
-    return tl.atomic_xchg(ptr_p2p(ptr, pe, ctx_ptr), value, sem=SEM, scope=SCOPE)
+    if _heap_base(pe, ctx_ptr) == 0:
+        old = _proxy_atomic(ptr, _TP_SWAP, value, 0, pe, ctx_ptr, True)
+    else:
+        old = tl.atomic_xchg(_translate(ptr, pe, ctx_ptr), value, sem=SEM, scope=SCOPE)
+    return old
 
 
 @device_function
@@ -432,9 +710,13 @@ def atomic_compare_swap(
     Returns the value found: equal to ``cond`` exactly when the swap happened.
     """
     word = ptr.dtype.element_ty
-    return tl.atomic_cas(
-        ptr_p2p(ptr, pe, ctx_ptr), tl.cast(cond, word), tl.cast(value, word), sem=SEM, scope=SCOPE
-    )
+    if _heap_base(pe, ctx_ptr) == 0:
+        old = _proxy_atomic(ptr, _TP_CSWAP, value, cond, pe, ctx_ptr, True)
+    else:
+        old = tl.atomic_cas(
+            _translate(ptr, pe, ctx_ptr), tl.cast(cond, word), tl.cast(value, word), sem=SEM, scope=SCOPE
+        )
+    return old
 
 
 # -- ordering -----------------------------------------------------------------------------------------
@@ -459,21 +741,32 @@ def atomic_compare_swap(
 def fence(ctx_ptr):
     """Order this program's puts and atomics: those before reach their targets before those after.
 
-    Block scope (all threads of the program call it).
+    Block scope (all threads of the program call it). With a proxy (PEs on other nodes) it also
+    queues a fence request: the proxy's operations before it reach their targets first.
     """
     tl.debug_barrier()
     tl.atomic_or(ctx_ptr + _CTX_MY_PE, 0, sem="acq_rel", scope="sys")
     tl.debug_barrier()
+    if _ring_addr(ctx_ptr) != 0:
+        _proxy_request(_ring(ctx_ptr), _OP_FENCE, 0, 0, 0, 0, 0, 0, 0, 0, 0, False)
 
 
 @device_function
 @triton.jit
 def quiet(ctx_ptr):
     """Complete this program's puts and atomics: everything before is visible at its target to a
-    peer that synchronises with a later release of this program. Block scope."""
+    peer that synchronises with a later release of this program. Block scope.
+
+    With a proxy (PEs on other nodes): waits until the proxy has completed every request issued
+    on this PE before the call (its completed counter reaches the head), or has failed."""
     tl.debug_barrier()
     tl.atomic_or(ctx_ptr + _CTX_MY_PE, 0, sem="acq_rel", scope="sys")
     tl.debug_barrier()
+    if _ring_addr(ctx_ptr) != 0:
+        ring = _ring(ctx_ptr)
+        issued = tl.atomic_add(ring + _RING_HEAD, 0, sem="acquire", scope="sys")
+        _ring_wait(ring + _RING_COMPLETED, issued, ring)
+        tl.debug_barrier()
 
 
 # -- barrier ------------------------------------------------------------------------------------------
@@ -488,7 +781,8 @@ def barrier_all(ctx_ptr):
     Returns once every PE has arrived; memory this program wrote before it is visible to every PE
     after it. It does not wait for the other programs of the launch (that would need a program to
     wait for later ones): to cover their writes, end the kernel first. No timeout (see the module
-    docstring). Every PE must be load/store reachable.
+    docstring). PEs on other nodes are reached through the proxy (it quiets first, then sends
+    the arrival as a proxy atomic).
     """
     # Algorithm: every PE counts its barriers in its own epoch word (only it touches that word).
     # Arriving at barrier number e, it writes e with a release atomic into its slot (slot my_pe)
@@ -501,11 +795,16 @@ def barrier_all(ctx_ptr):
     epoch_ptr = (my_base + _DEVICE_BARRIER_EPOCH_OFF).to(tl.pointer_type(tl.int64))
     epoch = tl.load(epoch_ptr, volatile=True) + 1
     tl.store(epoch_ptr, epoch)
-    tl.debug_barrier()  # the whole program has issued its earlier stores before the releases
+    quiet(ctx_ptr)  # the whole program's earlier stores are issued, the proxy's requests complete
     p = tl.cast(0, tl.int64)
     while p < npes:
-        slot = _heap_base(p, ctx_ptr) + _DEVICE_BARRIER_OFF + me * _SLOT_BYTES
-        tl.atomic_xchg(slot.to(tl.pointer_type(tl.int64)), epoch, sem="release", scope="sys")
+        base = _heap_base(p, ctx_ptr)
+        if base == 0:  # my slot of PE p's array, named by its symmetric address here
+            my_slot = my_base + _DEVICE_BARRIER_OFF + me * _SLOT_BYTES
+            _proxy_atomic(my_slot.to(tl.pointer_type(tl.int64)), _TP_SET, epoch, 0, p, ctx_ptr, False)
+        else:
+            slot = base + _DEVICE_BARRIER_OFF + me * _SLOT_BYTES
+            tl.atomic_xchg(slot.to(tl.pointer_type(tl.int64)), epoch, sem="release", scope="sys")
         p += 1
     p = tl.cast(0, tl.int64)
     while p < npes:

@@ -224,17 +224,28 @@ def shmem_wait_until(
 
 
 def shmem_fence() -> None:
-    """Order this PE's puts: those before reach their targets before those after."""
-    ctx = current("shmem_fence")
+    """Order this PE's puts: those before reach their targets before those after. With PEs on
+    other nodes it also waits for the proxy (device-initiated operations), as :func:`shmem_quiet`."""
+    func = "shmem_fence"
+    ctx = current(func)
     ctx.runtime.fence()
     if ctx.network is not None:
         ctx.network.fence()
+        ctx.network.quiet(func)
 
 
 def shmem_quiet() -> None:
-    """Complete every outstanding put and atomic of this PE (host transfers are already complete
-    at return; this is the memory barrier that makes them visible)."""
-    shmem_fence()
+    """Complete every outstanding put and atomic of this PE: host transfers are already complete
+    at return (this is the memory barrier that makes them visible); operations that device code
+    handed to the proxy (PEs on other nodes) are waited for, bounded by ``MORI_BOOTSTRAP_TIMEOUT``.
+    Raises :class:`~mori.core.errors.MoriBackendError` naming the PE if the proxy refused or failed
+    a request."""
+    func = "shmem_quiet"
+    ctx = current(func)
+    ctx.runtime.fence()
+    if ctx.network is not None:
+        ctx.network.fence()
+        ctx.network.quiet(func)
 
 
 _RANGES = {

@@ -8,6 +8,10 @@ stream. They launch on the runtime's device: real GPUs, or CPU tensors when ``TR
 was set before Triton was imported. On a GPU they return once the launch is queued (stream
 order); under the interpreter, once it has run.
 
+A PE of another node is served by the proxy (see :mod:`mori.shmem.device`): the kernels then quiet
+before they end, so completion means the same; the local tensor (``src`` of a put, ``dst`` of a
+get) must be symmetric heap memory or registered with ``shmem_buffer_register``.
+
 Every kernel lists its ahead-of-time variants (:func:`mori.core.kernels.aot`). The host
 functions view the data as the widest of int64 / int32 / int16 / uint8 that the byte count and
 both addresses allow, so the kernels see only those four element types and copy whole words.
@@ -86,12 +90,17 @@ def put_kernel(
     # elements per iteration
     BLOCK: tl.constexpr,
 ):
-    """Program i copies elements ``[i*elems_per_program, (i+1)*elems_per_program)`` to PE ``pe``."""
+    """Program i copies elements ``[i*elems_per_program, (i+1)*elems_per_program)`` to PE ``pe``.
+
+    A PE of another node: each program hands its chunk to the proxy and quiets, so the data is at
+    the peer (and the source reusable) when the kernel has completed, as with loads and stores."""
     pid = tl.program_id(0)
     # elems_per_program is a multiple of BLOCK (host side): say so, to keep the copies vectorised
     start = tl.multiple_of(tl.cast(pid, tl.int64) * elems_per_program, BLOCK)
     count = tl.minimum(n_elems - start, elems_per_program)
     shd.putmem_block(dst_ptr + start, src_ptr + start, count, pe, ctx_ptr, BLOCK)
+    if shd._heap_base(pe, ctx_ptr) == 0:
+        shd.quiet(ctx_ptr)
 
 
 @aot_variants(_copy_variants())
@@ -175,7 +184,12 @@ def put_signal_kernel(
     ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
     if ticket == tl.num_programs(0) - 1:
         tl.store(counter_ptr, 0)  # reusable: every program has taken its ticket
+        remote = shd._heap_base(pe, ctx_ptr) == 0
+        if remote:  # the proxy: every program's put is queued before this fence, the signal after
+            shd.fence(ctx_ptr)
         shd.signal_op(sig_ptr, signal, SIG_OP, pe, ctx_ptr)
+        if remote:  # complete when the kernel is (the sources reusable), as with loads and stores
+            shd.quiet(ctx_ptr)
 
 
 @aot(signature={"ctx_ptr": "*i64"}, aligned=("ctx_ptr",))
@@ -265,7 +279,14 @@ def _copy_args(
             f"the dtype and size of dst ({dst.dtype}[{dst.numel()}])",
         )
     _symmetric(func, ctx, symmetric, dst if symmetric == "dst" else src)
-    ctx.peer_base(func, pe)  # raises if pe is not load/store reachable
+    if ctx.over_network(func, pe) and dst.numel():  # raises if no transport reaches pe
+        local = src if symmetric == "dst" else dst  # the proxy moves it: heap or registered memory
+        ctx.local_addr(
+            func,
+            "src" if symmetric == "dst" else "dst",
+            local.data_ptr(),
+            local.numel() * local.element_size(),
+        )
     block = _int(func, "block", block, "a power of two >= 16", lambda v: v >= 16 and v & (v - 1) == 0)
     max_programs = _int(func, "max_programs", max_programs, "an int >= 1", lambda v: v >= 1)
     return ctx, dst, src, pe, block, max_programs
@@ -368,11 +389,11 @@ def put_signal(
 def barrier() -> None:
     """Device barrier over all PEs: launches :data:`barrier_kernel` (one program) on the current
     stream. Collective. On a GPU it returns at once and later work on the stream waits; under the
-    interpreter it returns when every PE has arrived, with no timeout. Every PE must be load/store
-    reachable."""
+    interpreter it returns when every PE has arrived, with no timeout. PEs of other nodes take
+    part through the proxy."""
     func = "barrier"
     ctx = current(func)
     for p in range(ctx.n_pes):
-        ctx.peer_base(func, p)
+        ctx.over_network(func, p)  # raises if no transport reaches p
     _launchable(func, ctx, barrier_kernel)
     barrier_kernel[(1,)](shd.shmem_device_context())

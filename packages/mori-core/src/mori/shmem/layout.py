@@ -22,3 +22,41 @@ CALL_RECORD_WORDS = 4
 USER_OFF = 64 * 1024
 
 assert CALL_RECORD_OFF + 2 * CALL_RECORD_WORDS * SLOT_BYTES <= USER_OFF
+
+# -- the proxy's request ring (csrc/proxy.cpp; mori.core._core.PROXY_LAYOUT has the same numbers,
+# checked by a test). Byte offsets from the ring's base; every word is 64-bit.
+
+#: next ticket: producers reserve a slot with a fetch-add
+RING_HEAD = 0
+#: tickets below this are complete at their target (the proxy writes it)
+RING_COMPLETED = 64
+#: 0, or the first failure's code (RING_ERR_*); then the PE and the ticket it concerned
+RING_ERROR = 128
+RING_ERROR_PE = 136
+RING_ERROR_TICKET = 144
+#: number of slots N (a power of two, >= 4)
+RING_SLOT_COUNT = 192
+#: first slot; each is RING_SLOT_BYTES long, its words numbered W_*
+RING_SLOTS = 256
+RING_SLOT_BYTES = 128
+(
+    W_SEQ,
+    W_OP,
+    W_PE,
+    W_FLAGS,
+    W_AMO,
+    W_WORD,
+    W_DST,
+    W_SRC,
+    W_NBYTES,
+    W_VALUE,
+    W_COMPARE,
+    W_SIG_ADDR,
+    W_RESULT,
+) = range(13)
+#: request operations
+OP_PUT, OP_GET, OP_AMO, OP_PUT_SIGNAL, OP_FENCE = range(1, 6)
+#: W_FLAGS bit: the producer waits for the result (slot kept until it read it)
+FLAG_REPLY = 1
+#: error codes: refused (a bad request), transport failure, stopped, a producer gave up, proxy died
+RING_ERR_REFUSED, RING_ERR_TRANSPORT, RING_ERR_STOPPED, RING_ERR_PRODUCER, RING_ERR_DIED = range(1, 6)

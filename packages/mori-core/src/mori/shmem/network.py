@@ -7,6 +7,14 @@ verbs, else the built-in ``tcp``, which authenticates peers and checks every req
 target's table where UCX's tcp/shared-memory transports do neither), registers its heap with it and exchanges address, remote key and heap base
 through the bootstrap. Each host call on such a PE is one transport operation, complete (remotely
 visible) when the call returns, as every host transfer is.
+
+Device code reaches those PEs through the **proxy** (``csrc/proxy.cpp``): a native thread of this
+rank that drains a ring of requests in host memory the device reaches (allocated by the device
+runtime: :meth:`~mori.core.backend.DeviceRuntime.alloc_mapped_host`) and executes them on the
+same transport instance. :meth:`NetworkPeers.quiet` waits for it; its failures (a refused request,
+a transport error, a proxy that stopped) raise :class:`~mori.core.errors.MoriBackendError` naming
+the PE, from the next host call that waits on the proxy (``shmem_quiet``, ``shmem_fence``,
+``shmem_barrier_all``).
 """
 
 from __future__ import annotations
@@ -14,8 +22,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from mori.core import env
-from mori.core.errors import MoriBackendError, MoriValueError, format_ranks
+from mori.core import _core, env
+from mori.core.errors import MoriBackendError, MoriTimeoutError, MoriValueError, format_ranks
 from mori.core.transport import (
     MEM_CUDA,
     MEM_HOST,
@@ -69,13 +77,39 @@ class NetworkPeers:
                 continue
             ep = self.tp.connect(bytes.fromhex(info["address"]))
             self.peers[pe] = (ep, ep.unpack_rkey(bytes.fromhex(info["rkey"])), int(info["base"]))
+        # the proxy: device-initiated operations on those PEs
+        slots = env.MORI_SHMEM_PROXY_SLOTS.require()
+        self.ring = rt.alloc_mapped_host(_core.Proxy.ring_size(slots))
+        self.reported: str | None = None  # the proxy failure already raised to the user, if any
+        try:
+            self.proxy = _core.Proxy(
+                self.tp,
+                ctx.my_pe,
+                ctx.n_pes,
+                ctx.base,
+                ctx.heap_size,
+                self.heap,
+                self.ring.host_addr,
+                self.ring.size,
+                slots,
+                env.MORI_SHMEM_PROXY_PIECE.require(),
+                ctx.timeout_s,
+            )
+            for pe, (ep, rk, base) in self.peers.items():
+                self.proxy.add_peer(pe, ep, rk, base)
+            self.proxy.start()
+        except BaseException:
+            self.ring.close()
+            raise
 
     # -- local memory -------------------------------------------------------------------------------
 
     def register_buffer(self, ptr: int, size: int) -> None:
         self.buffers[ptr] = self.tp.register(ptr, size)
+        self.proxy.add_local(self.buffers[ptr])
 
     def deregister_buffer(self, ptr: int) -> None:
+        self.proxy.remove_local(ptr)
         self.buffers.pop(ptr, None)  # deregistered when the last request using it is gone
 
     def _local(self, addr: int, nbytes: int) -> TransportMemory:
@@ -116,7 +150,24 @@ class NetworkPeers:
         for ep, _, _ in self.peers.values():
             ep.fence()
 
+    def quiet(self, what: str) -> None:
+        """Until every request device code (or the host) put in the proxy's ring before is
+        complete. Raises :class:`MoriBackendError` (naming the PE) if the proxy failed, and
+        :class:`MoriTimeoutError` after ``MORI_BOOTSTRAP_TIMEOUT``. ``shmem_finalize`` does not
+        raise again a failure an earlier call raised."""
+        try:
+            self.proxy.quiet(self.ctx.timeout_s)
+        except (MoriBackendError, MoriTimeoutError) as e:
+            if what == "shmem_finalize" and self.reported is not None:
+                return
+            self.reported = str(e)
+            raise type(e)(f"{what}: {e}") from None
+
     def close(self) -> None:
+        try:
+            self.proxy.stop()  # before the transport objects it uses go
+        finally:
+            self.ring.close()
         self.peers.clear()
         self.buffers.clear()
 

@@ -58,6 +58,7 @@ from mori.core.backend import (
     Availability,
     DeviceRuntime,
     HeapSegment,
+    MappedHostMemory,
     PeerInfo,
     PeerSegment,
 )
@@ -262,6 +263,35 @@ class GpuPeerSegment(PeerSegment):
             ipc, self._ipc = self._ipc, None
             self._state.close_ipc(ipc)
         self.addr = 0
+
+
+class GpuMappedHostMemory(MappedHostMemory):
+    """Pinned host memory mapped into the GPU (``cuMemHostAlloc`` portable | device-mapped, or the
+    HIP equivalent), with the device address from ``cuMemHostGetDevicePointer``.
+
+    NOT YET RUN ON A GPU: written for the proxy's ring, checked on CPU only through a fake driver.
+    Open questions a GPU run must answer: whether a kernel's system-scope fetch-add on this memory
+    is atomic against other GPU programs over PCIe (the ring's head; host producers use the same
+    word, which needs host-native atomics on the device, ``CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED``).
+    """
+
+    def __init__(self, state: _DeviceState, size: int) -> None:
+        self._state: _DeviceState | None = state
+        with state.active():
+            self.host_addr = state.drv.host_alloc(size)
+            try:
+                self.device_addr = state.drv.host_device_pointer(self.host_addr)
+            except BaseException:
+                state.drv.host_free(self.host_addr)
+                raise
+        self.size = size
+        ctypes.memset(self.host_addr, 0, size)
+
+    def close(self) -> None:
+        st, self._state = self._state, None
+        if st is not None:
+            with st.active():
+                st.drv.host_free(self.host_addr)
 
 
 class GpuRuntime(DeviceRuntime):
@@ -637,3 +667,7 @@ class GpuRuntime(DeviceRuntime):
             return
         with st.active():
             st.drv.synchronize()
+
+    def alloc_mapped_host(self, size: int) -> MappedHostMemory:
+        """Pinned host memory mapped into this GPU (:class:`GpuMappedHostMemory`; not yet run on a GPU)."""
+        return GpuMappedHostMemory(self._require("alloc_mapped_host"), size)

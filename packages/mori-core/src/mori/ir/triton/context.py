@@ -5,8 +5,8 @@ fills in. Triton has no device globals, and the functions of :mod:`mori.shmem.de
 context as an argument (``ctx_ptr``). A kernel written for the original calls ``my_pe()`` with no
 argument at all, so here the context's **address is a compile-time constant**: the module global
 :data:`CONTEXT` below, a ``tl.constexpr`` whose value is the address of this process's *IR context
-buffer*, an int64 tensor ``[my_pe, n_pes, base_0, ..., base_{MAX_PES-1}]`` (the layout of
-:func:`mori.shmem.device.shmem_device_context`, zero past ``n_pes``) on the heap's device.
+buffer*, an int64 tensor ``[my_pe, n_pes, base_0, ..., base_{n_pes-1}, ring]`` (the layout of
+:func:`mori.shmem.device.shmem_device_context`, zero past it, ``3 + MAX_PES`` words) on the heap's device.
 
 The rules that make this safe:
 
@@ -94,7 +94,7 @@ class IrContext(tl.constexpr):  # type: ignore[misc]
         from mori.shmem.device import shmem_device_context
 
         source = shmem_device_context()
-        buf = torch.zeros(2 + layout.MAX_PES, dtype=torch.int64, device=source.device)
+        buf = torch.zeros(3 + layout.MAX_PES, dtype=torch.int64, device=source.device)  # + the ring word
         buf[: source.numel()].copy_(source)
         self._buffer, self._source, self._state = buf, source, _BOUND
 

@@ -31,18 +31,21 @@ the whole operation once (a copy is spread over the program's threads, 16-byte v
 addresses and the size are multiples of 16). Split large copies over programs yourself, one range
 each, as the original's examples do.
 
-**Completion and order.** Puts are issued when they return (stronger than the original's
-non-blocking ``nbi``); ``quiet_*`` / ``fence_*`` order them before later writes, and
+**Completion and order.** Puts to load/store reachable PEs are issued when they return (stronger
+than the original's non-blocking ``nbi``); to PEs of other nodes they are queued to the proxy, as
+``nbi`` (the source must stay unchanged until ``quiet_*``); ``quiet_*`` / ``fence_*`` order them before later writes, and
 ``putmem_nbi_signal_*`` sends the signal (a release atomic at system scope) only after its data.
 Waits (``*_wait_until_*``) spin on this PE's own word with acquire loads and never time out: a
 signal that never comes hangs the kernel. Barriers (``barrier_all_*``) must be called by one program
 per PE (see :func:`mori.shmem.device.barrier_all`). Under the interpreter, a program must not wait
 for a later program of the same launch.
 
-**Reach.** Peers are reached with loads and stores, so the PE must be load/store reachable
-(``mori.shmem.shmem_ptr_p2p`` is non-zero): ranks of one node on the ``cpu`` runtime, GPUs of one
-node over NVLink / xGMI, or ranks sharing one GPU. Otherwise a call does nothing and returns -1
-(the original would use RDMA).
+**Reach.** Load/store reachable peers (``mori.shmem.shmem_ptr_p2p`` is non-zero: ranks of one
+node on the ``cpu`` runtime, GPUs of one node over NVLink / xGMI, ranks sharing one GPU) are
+reached with loads and stores; PEs of other nodes through this PE's proxy, as in
+:mod:`mori.shmem.device` (the original uses RDMA there): puts, gets, signals and atomics. Immediate
+puts (``*_p``) of a value need load/store reach: to another node they do nothing and return -1.
+A PE out of range: nothing is done, -1.
 
 **Context.** No function takes the shmem context: kernels reach it through a compile-time constant
 of this process (:mod:`mori.ir.triton.context`), so shmem must be initialised before a kernel that
@@ -80,6 +83,10 @@ _AMO_SWAP = tl.constexpr(abi.AMO_SWAP)
 _AMO_COMPARE_SWAP = tl.constexpr(abi.AMO_COMPARE_SWAP)
 # context buffer layout (mori.shmem.device): [my_pe, n_pes, base_0, ...]
 _CTX_BASES = tl.constexpr(2)
+# the transport's and / or / xor codes (mori/transport.h), for atomics through the proxy
+_TP_AND = tl.constexpr(4)
+_TP_OR = tl.constexpr(5)
+_TP_XOR = tl.constexpr(6)
 # elements a program moves per step of a copy: 4 KiB (int32) on the aligned path, 1 KiB on the other
 _COPY_BLOCK = tl.constexpr(1024)
 
@@ -118,6 +125,14 @@ def _heap_base(pe, ctx):
 
 @device_function
 @triton.jit
+def _served(pe, ctx):
+    # PE pe is in range and reached: by loads and stores, or (another node) through the proxy
+    ok = (pe >= 0) & (pe < shd.n_pes(ctx))
+    return ok & ((_heap_base(pe, ctx) != 0) | (shd._ring_addr(ctx) != 0))
+
+
+@device_function
+@triton.jit
 def _status(ok):
     # int32 status of an operation: 0 if it was done, -1 if not
     return ok.to(tl.int32) - 1
@@ -141,7 +156,7 @@ def _transfer(dest, source, nbytes, pe, TO_PEER: tl.constexpr):
     d = _address(dest)
     s = _address(source)
     n = tl.cast(nbytes, tl.uint64)
-    ok = _heap_base(pe, ctx) != 0
+    ok = _served(pe, ctx)
     if ok:
         if ((d | s | n) & 15) == 0:
             # The hints go on the pointers, here: on the integer they would not survive the cast,
@@ -171,7 +186,7 @@ def _signal(sig_addr, signal, sig_op, pe):
     ctx = _context()
     sig = _pointer(_address(sig_addr), tl.uint64)
     value = tl.cast(signal, tl.uint64)
-    ok = _heap_base(pe, ctx) != 0
+    ok = _served(pe, ctx)
     st = _status(ok)
     if ok:
         if sig_op == _SIGNAL_SET:
@@ -205,7 +220,8 @@ def _atomic(dest, value, compare, op, pe, WORD: tl.constexpr):
     ctx = _context()
     word = _pointer(_address(dest), WORD)
     v = tl.cast(value, WORD)
-    ok = _heap_base(pe, ctx) != 0
+    ok = _served(pe, ctx)
+    near = _heap_base(pe, ctx) != 0
     old = tl.full([], 0, WORD)
     st = _status(ok)
     if ok:
@@ -220,11 +236,20 @@ def _atomic(dest, value, compare, op, pe, WORD: tl.constexpr):
         elif op == _AMO_COMPARE_SWAP:
             old = shd.atomic_compare_swap(word, compare, v, pe, ctx)
         elif (op == _AMO_AND) | (op == _AMO_FETCH_AND):
-            old = tl.atomic_and(shd.ptr_p2p(word, pe, ctx), v, sem="acq_rel", scope="sys")
+            if near:
+                old = tl.atomic_and(shd.ptr_p2p(word, pe, ctx), v, sem="acq_rel", scope="sys")
+            else:
+                old = shd._proxy_atomic(word, _TP_AND, v, 0, pe, ctx, True)
         elif (op == _AMO_OR) | (op == _AMO_FETCH_OR):
-            old = tl.atomic_or(shd.ptr_p2p(word, pe, ctx), v, sem="acq_rel", scope="sys")
+            if near:
+                old = tl.atomic_or(shd.ptr_p2p(word, pe, ctx), v, sem="acq_rel", scope="sys")
+            else:
+                old = shd._proxy_atomic(word, _TP_OR, v, 0, pe, ctx, True)
         elif (op == _AMO_XOR) | (op == _AMO_FETCH_XOR):
-            old = tl.atomic_xor(shd.ptr_p2p(word, pe, ctx), v, sem="acq_rel", scope="sys")
+            if near:
+                old = tl.atomic_xor(shd.ptr_p2p(word, pe, ctx), v, sem="acq_rel", scope="sys")
+            else:
+                old = shd._proxy_atomic(word, _TP_XOR, v, 0, pe, ctx, True)
         else:
             st = tl.full([], -1, tl.int32)
     return old, st
@@ -665,6 +690,9 @@ def _put_signal(dest, source, nbytes, sig_addr, signal, sig_op, pe):
         # every thread of the program has issued its stores; the release atomic (one thread) is
         # cumulative, so a peer that acquires the signal sees all of them
         tl.debug_barrier()
+        ctx = _context()
+        if _heap_base(pe, ctx) == 0:  # through the proxy: a fence puts the signal behind the data
+            shd.fence(ctx)
         st = _signal(sig_addr, signal, sig_op, pe)
     return st
 
