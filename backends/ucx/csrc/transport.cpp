@@ -1094,6 +1094,13 @@ int tp_atomic(mori_tp* tp, mori_tp_ep* ep, int op, int word, uint64_t value, uin
   if (raddr % size)
     return fail(err, MORI_TP_EINVAL, "atomic: remote address " + hex(raddr) + " is not aligned to its " +
                                          std::to_string(size) + "-byte word");
+  // UCX_ATOMIC_MODE=cpu (above): the target's CPU executes atomics, and a CPU access to GPU memory
+  // kills the target (seen on an H200: SIGSEGV in ucp_atomic_req_handler). No MORI_TP_CAP_DEVICE_ATOMIC.
+  if (rkey->mem_type != MORI_TP_MEM_HOST)
+    return fail(err, MORI_TP_ENOTSUP, std::string("atomic ") + op_name(op) + " at " + hex(raddr) + ": the peer's memory is " +
+                                          mem_type_name(rkey->mem_type) +
+                                          " memory, and this transport's atomics run on the target's CPU (UCX_ATOMIC_MODE=cpu), "
+                                          "which cannot reach device memory: no atomics on device memory (MORI_TP_CAP_DEVICE_ATOMIC)");
   if (!fits(word, value) || (op == MORI_TP_OP_CSWAP && !fits(word, compare)))
     return fail(err, MORI_TP_EINVAL, std::string("atomic ") + op_name(op) + ": operand " + hex(value) + " / compare " +
                                          hex(compare) + " does not fit a 32-bit word");

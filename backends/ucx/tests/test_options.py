@@ -53,6 +53,8 @@ def test_caps_say_what_this_ucx_does(ops: Any) -> None:
 
     assert bool(caps & T.CAP_CUDA_MEMORY) == ("cuda" in inventory().memory_types)
     assert not caps & T.CAP_ROCM_MEMORY  # the PyPI wheels have no ROCm
+    # UCX_ATOMIC_MODE=cpu: the target's CPU executes atomics, and it cannot touch GPU memory
+    assert not caps & T.CAP_DEVICE_ATOMIC
 
 
 def test_gpu_memory_without_ucx_support_is_enotsup(ops: Any) -> None:

@@ -26,7 +26,10 @@
  *   - `fence`: every put/atomic posted on the endpoint before it is remotely visible before any
  *     posted after it (put-with-signal = put, fence, atomic);
  *   - atomics are atomic with respect to each other and to the target's own native atomics on the
- *     same word (MORI_TP_CAP_ATOMIC_NATIVE), or only to each other (without that capability).
+ *     same word (MORI_TP_CAP_ATOMIC_NATIVE), or only to each other (without that capability);
+ *   - atomics reach registered device memory only with MORI_TP_CAP_DEVICE_ATOMIC; without it an
+ *     atomic on a peer's device memory fails with MORI_TP_ENOTSUP (it is never executed: a target
+ *     CPU touching GPU memory crashes the target).
  *
  * Results and lifetimes:
  *   - an atomic's *old is written by the test() or wait() call that reports the request done, never
@@ -71,6 +74,7 @@ extern "C" {
 #define MORI_TP_CAP_ATOMIC_NATIVE (1u << 3)   /* remote atomics are atomic with the target's own CPU atomics */
 #define MORI_TP_CAP_CUDA_MEMORY (1u << 4)     /* registers and moves CUDA device memory itself */
 #define MORI_TP_CAP_ROCM_MEMORY (1u << 5)     /* registers and moves ROCm device memory itself */
+#define MORI_TP_CAP_DEVICE_ATOMIC (1u << 6)   /* atomics on a peer's registered device memory */
 
 /* Memory types for reg(). */
 #define MORI_TP_MEM_HOST 0

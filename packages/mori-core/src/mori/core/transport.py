@@ -41,9 +41,16 @@ WORD_INT32, WORD_UINT32, WORD_INT64, WORD_UINT64 = range(4)
 #: memory types for TransportInstance.register
 MEM_HOST, MEM_CUDA, MEM_ROCM = range(3)
 #: capabilities (TransportInstance.caps)
-CAP_RMA, CAP_ATOMIC64, CAP_ATOMIC32, CAP_ATOMIC_NATIVE, CAP_CUDA_MEMORY, CAP_ROCM_MEMORY = (
-    1 << i for i in range(6)
-)
+#: (CAP_DEVICE_ATOMIC: atomics on a peer's registered device memory; without it they fail, ENOTSUP)
+(
+    CAP_RMA,
+    CAP_ATOMIC64,
+    CAP_ATOMIC32,
+    CAP_ATOMIC_NATIVE,
+    CAP_CUDA_MEMORY,
+    CAP_ROCM_MEMORY,
+    CAP_DEVICE_ATOMIC,
+) = (1 << i for i in range(7))
 # the same numbers as the C header: changing one side without the other breaks every plugin
 ABI: int = _core.TRANSPORT_ABI
 
@@ -100,6 +107,7 @@ __all__ = [
     "CAP_ATOMIC64",
     "CAP_ATOMIC_NATIVE",
     "CAP_CUDA_MEMORY",
+    "CAP_DEVICE_ATOMIC",
     "CAP_RMA",
     "CAP_ROCM_MEMORY",
     "MEM_CUDA",
