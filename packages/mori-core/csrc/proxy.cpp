@@ -27,6 +27,16 @@
 // aligned atomic words. A request that fails a check is refused (error flag), never executed.
 // Large transfers are split into pieces of `piece` bytes; at most kMaxInflight transport requests
 // are outstanding, so the ring backs up (and producers wait) when the transport is slow.
+//
+// Device heaps on a transport without atomics on device memory (MORI_TP_CAP_DEVICE_ATOMIC; UCX
+// without RDMA executes atomics on the target's CPU, which cannot touch GPU memory): the proxy is
+// made with rma_signals, and then carries what needs no read-modify-write by puts and gets: a
+// signal or atomic_set is a put of the value word (after a fence, behind the data), atomic_fetch a
+// get of the word. Their local word is the slot's staging word in this PE's heap (kFlagStaged: a
+// device producer wrote the value there; device to device memory is one-sided for UCX, cuda_ipc)
+// or else the slot's own value / result word (host producers; the ring is registered with the
+// transport). Such a slot stays taken until the request is complete. Every other atomic (add,
+// swap, compare-swap, and, or, xor; SIGNAL_ADD) is refused, naming why.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <sched.h>
@@ -62,6 +72,7 @@ constexpr uint64_t kRingError = 128;        // 0, or the first failure's code (k
 constexpr uint64_t kRingErrorPe = 136;      // the PE the failed request named
 constexpr uint64_t kRingErrorTicket = 144;  // its ticket
 constexpr uint64_t kRingSlotCount = 192;    // N (written once, before the proxy starts)
+constexpr uint64_t kRingRmaSignals = 200;   // 1 if the proxy runs with rma_signals (written once)
 constexpr uint64_t kRingSlots = 256;        // first slot
 constexpr uint64_t kSlotBytes = 128;
 // words of a slot
@@ -72,6 +83,12 @@ enum SlotWord : uint64_t {
 // of get, the atomic's and the signal's word), local ones (src of put, dst of get) in registered memory
 enum Op : int64_t { kOpPut = 1, kOpGet = 2, kOpAmo = 3, kOpPutSignal = 4, kOpFence = 5 };
 constexpr int64_t kFlagReply = 1;
+// the producer also wrote the value into its heap's staging word of this slot (device producers
+// under rma_signals): kStageOff + (ticket % N) * 8 from the heap base, inside the heap's reserved
+// region (mori.shmem.layout), so at most kStageMaxSlots slots
+constexpr int64_t kFlagStaged = 2;
+constexpr uint64_t kStageOff = 32768;
+constexpr uint64_t kStageMaxSlots = 4096;
 // error codes in the ring's error word
 enum Err : int64_t { kErrRefused = 1, kErrTransport = 2, kErrStopped = 3, kErrProducer = 4, kErrDied = 5 };
 
@@ -131,6 +148,8 @@ struct Entry {
   uint64_t ticket = 0;
   int64_t op = 0, pe = 0, amo = 0, word = 0;
   bool reply = false, needs_flush = false, signal_posted = false, fully_posted = false;
+  bool by_rma = false;  // an atomic carried by a put or get (rma_signals); keeps the slot
+  bool staged = false;  // its local word is the slot's staging word in the heap (kFlagStaged)
   uint64_t raddr = 0, laddr = 0, nbytes = 0, posted = 0, value = 0, compare = 0, sig_raddr = 0;
   MemoryPtr lmem;  // the local registration (kept alive while the transfer runs)
   std::vector<mori_tp_req> pending;
@@ -140,10 +159,10 @@ struct Entry {
 class Proxy {
  public:
   Proxy(InstancePtr in, int my_pe, int n_pes, uint64_t heap_base, uint64_t heap_size, MemoryPtr heap, uint64_t ring,
-        uint64_t ring_bytes, uint64_t nslots, uint64_t piece, double timeout_s)
+        uint64_t ring_bytes, uint64_t nslots, uint64_t piece, double timeout_s, bool rma_signals)
       : in_(std::move(in)), my_pe_(my_pe), n_pes_(n_pes), heap_base_(heap_base), heap_size_(heap_size),
         ring_(reinterpret_cast<uint8_t*>(ring)), nslots_(nslots), piece_(piece),
-        timeout_ns_(static_cast<uint64_t>(timeout_s * 1e9)), peers_(n_pes) {
+        timeout_ns_(static_cast<uint64_t>(timeout_s * 1e9)), rma_signals_(rma_signals), peers_(n_pes) {
     if (n_pes <= 0 || my_pe < 0 || my_pe >= n_pes)
       raise_error("MoriValueError", "Proxy: my_pe=" + std::to_string(my_pe) + " is not in [0, " + std::to_string(n_pes) + ")");
     if (nslots < 4 || (nslots & (nslots - 1)) || nslots > (1u << 20))
@@ -154,10 +173,26 @@ class Proxy {
                                         " bytes for " + std::to_string(nslots) + " slots");
     if (piece < 64) raise_error("MoriValueError", "Proxy: piece=" + std::to_string(piece) + " is not allowed; expected >= 64 bytes");
     if (!heap) raise_error("MoriValueError", "Proxy: the heap's registration is required");
+    heap_mem_ = heap;
     locals_.push_back(std::move(heap));
+    if (rma_signals_ && (nslots > kStageMaxSlots || heap_size < kStageOff + nslots * 8))
+      raise_error("MoriValueError", "Proxy: nslots=" + std::to_string(nslots) + " is not allowed with rma_signals (a GPU heap on a "
+                                    "transport without atomics on device memory): at most " + std::to_string(kStageMaxSlots) +
+                                    " (MORI_SHMEM_PROXY_SLOTS), one staging word each in the heap's reserved region");
+    if (rma_signals_) {  // the slots are the sources and destinations of host producers' signals, sets and fetches
+      mori_tp_error err{};
+      mori_tp_mem* m = in_->ops->reg(in_->tp, ring_, ring_bytes, MORI_TP_MEM_HOST, -1, &err);
+      if (!m) raise_transport_error("Proxy: registering the ring (rma_signals)", err.code, err);
+      ring_mem_ = std::make_shared<Memory>();
+      ring_mem_->in = in_;
+      ring_mem_->mem = m;
+      ring_mem_->addr = ring;
+      ring_mem_->size = ring_bytes;
+    }
     std::memset(ring_, 0, ring_size(nslots));
     for (uint64_t i = 0; i < nslots; ++i) word(slot(i), kSeq) = i;
     word(ring_, kRingSlotCount / 8) = nslots;
+    word(ring_, kRingRmaSignals / 8) = rma_signals_ ? 1 : 0;
   }
 
   ~Proxy() { stop_thread(); }
@@ -377,6 +412,7 @@ class Proxy {
     e.op = static_cast<int64_t>(word(s, kOp));
     e.pe = static_cast<int64_t>(word(s, kPe));
     e.reply = word(s, kFlags) & kFlagReply;
+    e.staged = rma_signals_ && (word(s, kFlags) & kFlagStaged);
     e.amo = static_cast<int64_t>(word(s, kAmo));
     e.word = static_cast<int64_t>(word(s, kWord));
     const uint64_t dst = word(s, kDst), src = word(s, kSrc), sig = word(s, kSigAddr);
@@ -399,6 +435,7 @@ class Proxy {
             return refuse(e, "signal operation " + std::to_string(e.amo) + " / word " + std::to_string(e.word) + " is not allowed");
           if (sig % word_bytes(e.word)) return refuse(e, "signal word " + hex(sig) + " is not aligned");
           if (!remote(e, sig, word_bytes(e.word), &e.sig_raddr, "signal word")) return false;
+          if (rma_signals_ && !by_rma(e)) return false;
         }
         return true;
       case kOpGet:
@@ -409,8 +446,57 @@ class Proxy {
         if (e.amo < MORI_TP_OP_FETCH || e.amo > MORI_TP_OP_CSWAP || !word_ok(e.word))
           return refuse(e, "atomic operation " + std::to_string(e.amo) + " / word " + std::to_string(e.word) + " is not allowed");
         if (dst % word_bytes(e.word)) return refuse(e, "atomic word " + hex(dst) + " is not aligned");
-        return remote(e, dst, word_bytes(e.word), &e.raddr, "atomic word");
+        if (!remote(e, dst, word_bytes(e.word), &e.raddr, "atomic word")) return false;
+        return !rma_signals_ || by_rma(e);
     }
+  }
+
+  // rma_signals: e (a signal or an atomic) becomes a put of its value word or a get into its
+  // result word, or is refused when it needs a read-modify-write on the peer's device memory.
+  bool by_rma(Entry& e) {
+    const bool fetch = e.op == kOpAmo && e.amo == MORI_TP_OP_FETCH;
+    if (e.amo != MORI_TP_OP_SET && !fetch)
+      return refuse(e, std::string(e.op == kOpPutSignal ? "signal " : "") + amo_name(e.amo) + " on PE " +
+                           std::to_string(e.pe) + "'s device memory: the " + in_->ops->name +
+                           " transport has no atomics on device memory (MORI_TP_CAP_DEVICE_ATOMIC; RDMA with GPUDirect "
+                           "atomics would), so only set, fetch and SIGNAL_SET reach another node's GPU heap");
+    e.by_rma = true;
+    e.needs_flush = !fetch;  // a set is a put: complete (visible at the peer) only after a flush
+    if (fetch) word(slot(e.ticket), kResult) = 0;  // a 32-bit fetch fills the low half
+    return true;
+  }
+
+  static const char* amo_name(int64_t amo) {
+    switch (amo) {
+      case MORI_TP_OP_FETCH: return "fetch";
+      case MORI_TP_OP_SET: return "set";
+      case MORI_TP_OP_ADD: return "add";
+      case MORI_TP_OP_SWAP: return "swap";
+      case MORI_TP_OP_AND: return "and";
+      case MORI_TP_OP_OR: return "or";
+      case MORI_TP_OP_XOR: return "xor";
+      case MORI_TP_OP_CSWAP: return "compare-swap";
+    }
+    return "unknown atomic";
+  }
+
+  // Posts a put of e's value word (set, signal) or a get into its result word (fetch) to raddr: the
+  // slot's staging word in the heap, or the slot's own words.
+  bool post_by_rma(Entry& e, uint64_t raddr, const char* what) {
+    const Peer& p = peers_[e.pe];
+    uint8_t* s = slot(e.ticket);
+    const bool fetch = e.op == kOpAmo && e.amo == MORI_TP_OP_FETCH;
+    void* local = e.staged ? reinterpret_cast<void*>(heap_base_ + kStageOff + (e.ticket % nslots_) * 8)
+                           : static_cast<void*>(&word(s, fetch ? kResult : kValue));
+    mori_tp_mem* lmem = e.staged ? heap_mem_->mem : ring_mem_->mem;
+    mori_tp_req r = 0;
+    mori_tp_error err{};
+    const uint64_t n = word_bytes(e.word);  // little-endian: the low half holds a 32-bit value
+    int rc = fetch ? in_->ops->get(in_->tp, p.ep->ep, local, lmem, raddr, p.rkey->rkey, n, &r, &err)
+                   : in_->ops->put(in_->tp, p.ep->ep, local, lmem, raddr, p.rkey->rkey, n, &r, &err);
+    if (rc) return transport_failed(e, what, rc, err);
+    if (r) e.pending.push_back(r), ++inflight_;
+    return true;
   }
 
   bool transport_failed(const Entry& e, const char* what, int rc, const mori_tp_error& err) {
@@ -434,6 +520,11 @@ class Proxy {
       return true;
     }
     const Peer& p = peers_[e.pe];
+    if (e.op == kOpAmo && e.by_rma) {
+      if (!post_by_rma(e, e.raddr, e.amo == MORI_TP_OP_FETCH ? "fetch (get)" : "set (put)")) return false;
+      e.fully_posted = true;
+      return true;
+    }
     if (e.op == kOpAmo) {
       mori_tp_req r = 0;
       const uint64_t mask = word_bytes(e.word) == 4 ? 0xffffffffull : ~0ull;
@@ -459,12 +550,16 @@ class Proxy {
     if (e.op == kOpPutSignal && !e.signal_posted) {
       // the signal only after the data: fence orders it behind every piece on this endpoint
       if (int rc = ops->fence(tp, p.ep->ep, &err)) return transport_failed(e, "fence", rc, err);
-      mori_tp_req r = 0;
-      const uint64_t mask = word_bytes(e.word) == 4 ? 0xffffffffull : ~0ull;
-      if (int rc = ops->atomic(tp, p.ep->ep, static_cast<int>(e.amo), static_cast<int>(e.word), e.value & mask, 0,
-                               e.sig_raddr, p.rkey->rkey, e.old.get(), &r, &err))
-        return transport_failed(e, "signal atomic", rc, err);
-      if (r) e.pending.push_back(r), ++inflight_;
+      if (e.by_rma) {
+        if (!post_by_rma(e, e.sig_raddr, "signal (put)")) return false;
+      } else {
+        mori_tp_req r = 0;
+        const uint64_t mask = word_bytes(e.word) == 4 ? 0xffffffffull : ~0ull;
+        if (int rc = ops->atomic(tp, p.ep->ep, static_cast<int>(e.amo), static_cast<int>(e.word), e.value & mask, 0,
+                                 e.sig_raddr, p.rkey->rkey, e.old.get(), &r, &err))
+          return transport_failed(e, "signal atomic", rc, err);
+        if (r) e.pending.push_back(r), ++inflight_;
+      }
       e.signal_posted = true;
     }
     e.fully_posted = true;
@@ -522,7 +617,8 @@ class Proxy {
         entries.emplace_back();
         Entry& e = entries.back();
         const bool ok = take(next_, e);
-        if (!e.reply) store_rel(&word(s, kSeq), next_ + nslots_);  // fields copied: the slot is free
+        // fields copied: the slot is free, unless a reply or a put/get from the slot needs it
+        if (!e.reply && !e.by_rma) store_rel(&word(s, kSeq), next_ + nslots_);
         ++next_;
         work = true;
         if (!ok || !advance(e)) break;
@@ -571,8 +667,14 @@ class Proxy {
         if (!f.fully_posted || !f.pending.empty() || (f.needs_flush && flushed <= f.ticket)) break;
         if (f.reply) {
           uint8_t* s = slot(f.ticket);
-          word(s, kResult) = *f.old;
+          if (!f.by_rma) {
+            word(s, kResult) = *f.old;
+          } else if (!f.staged && f.word == MORI_TP_WORD_INT32) {  // the get wrote the low half: sign-extend, as atomics do
+            word(s, kResult) = static_cast<uint64_t>(static_cast<int64_t>(static_cast<int32_t>(word(s, kResult))));
+          }
           store_rel(&word(s, kSeq), f.ticket + 2);
+        } else if (f.by_rma) {
+          store_rel(&word(slot(f.ticket), kSeq), f.ticket + nslots_);  // the put from the slot is complete
         }
         store_rel(&word(ring_, kRingCompleted / 8), f.ticket + 1);
         entries.pop_front();
@@ -604,6 +706,9 @@ class Proxy {
   const uint64_t heap_base_, heap_size_;
   uint8_t* const ring_;
   const uint64_t nslots_, piece_, timeout_ns_;
+  const bool rma_signals_;
+  MemoryPtr heap_mem_;                // the heap's registration (also locals_[0])
+  MemoryPtr ring_mem_;                // the ring's registration (rma_signals only)
   std::vector<Peer> peers_;           // by PE; set before start, then read-only
   std::vector<MemoryPtr> locals_;     // [0] the heap, then registered buffers (under mu_)
   mutable std::mutex mu_;
@@ -622,11 +727,13 @@ void register_proxy(py::module_& m) {
   py::class_<Proxy, std::shared_ptr<Proxy>>(m, "Proxy",
                                             "The host proxy of one rank: a native thread that executes requests from a ring in "
                                             "device-reachable host memory on a network transport (see csrc/proxy.cpp).")
-      .def(py::init<InstancePtr, int, int, uint64_t, uint64_t, MemoryPtr, uint64_t, uint64_t, uint64_t, uint64_t, double>(),
+      .def(py::init<InstancePtr, int, int, uint64_t, uint64_t, MemoryPtr, uint64_t, uint64_t, uint64_t, uint64_t, double, bool>(),
            py::arg("transport"), py::arg("my_pe"), py::arg("n_pes"), py::arg("heap_base"), py::arg("heap_size"),
            py::arg("heap"), py::arg("ring"), py::arg("ring_bytes"), py::arg("nslots"), py::arg("piece"),
-           py::arg("timeout_s"),
-           "Initialises the ring at host address `ring` (`ring_bytes`, see ring_size) for `nslots` requests.")
+           py::arg("timeout_s"), py::arg("rma_signals") = false,
+           "Initialises the ring at host address `ring` (`ring_bytes`, see ring_size) for `nslots` requests. "
+           "rma_signals: carry signals, sets and fetches by puts and gets from the ring (registered with the "
+           "transport) and refuse other atomics: for device heaps on a transport without MORI_TP_CAP_DEVICE_ATOMIC.")
       .def("add_peer", &Proxy::add_peer, py::arg("pe"), py::arg("endpoint"), py::arg("rkey"), py::arg("base"),
            "A PE the proxy serves: its endpoint, its heap's key and base address. Before start().")
       .def("add_local", &Proxy::add_local, py::arg("memory"), "A registered local buffer requests may use.")
@@ -656,6 +763,9 @@ void register_proxy(py::module_& m) {
   layout["ERROR_PE"] = kRingErrorPe;
   layout["ERROR_TICKET"] = kRingErrorTicket;
   layout["SLOT_COUNT"] = kRingSlotCount;
+  layout["RMA_SIGNALS"] = kRingRmaSignals;
+  layout["STAGE_OFF"] = kStageOff;
+  layout["STAGE_MAX_SLOTS"] = kStageMaxSlots;
   layout["SLOTS"] = kRingSlots;
   layout["SLOT_BYTES"] = kSlotBytes;
   for (auto [name, w] : {std::pair<const char*, uint64_t>{"SEQ", kSeq}, {"OP", kOp}, {"PE", kPe}, {"FLAGS", kFlags},
@@ -663,7 +773,7 @@ void register_proxy(py::module_& m) {
                          {"VALUE", kValue}, {"COMPARE", kCompare}, {"SIG_ADDR", kSigAddr}, {"RESULT", kResult}})
     layout[(std::string("W_") + name).c_str()] = w;
   for (auto [name, v] : {std::pair<const char*, int64_t>{"OP_PUT", kOpPut}, {"OP_GET", kOpGet}, {"OP_AMO", kOpAmo},
-                         {"OP_PUT_SIGNAL", kOpPutSignal}, {"OP_FENCE", kOpFence}, {"FLAG_REPLY", kFlagReply},
+                         {"OP_PUT_SIGNAL", kOpPutSignal}, {"OP_FENCE", kOpFence}, {"FLAG_REPLY", kFlagReply}, {"FLAG_STAGED", kFlagStaged},
                          {"ERR_REFUSED", kErrRefused}, {"ERR_TRANSPORT", kErrTransport}, {"ERR_STOPPED", kErrStopped},
                          {"ERR_PRODUCER", kErrProducer}, {"ERR_DIED", kErrDied}})
     layout[name] = v;

@@ -106,6 +106,26 @@ def atomics_kernel(
         tl.store(out_ptr + 6, shd.atomic_fetch(words_ptr, target, ctx_ptr))
 
 
+@aot(
+    signature={
+        "word_ptr": "*i64",
+        "word32_ptr": "*i32",
+        "out_ptr": "*i64",
+        "value": "i64",
+        "pe": "i32",
+        **_CTX,
+    }
+)
+@triton.jit
+def set_fetch_kernel(word_ptr, word32_ptr, out_ptr, value, pe, ctx_ptr):
+    # set PE pe's int64 and int32 words, then read them back with fetches: out[0], out[1]
+    shd.atomic_set(word_ptr, value, pe, ctx_ptr)
+    shd.atomic_set(word32_ptr, -value, pe, ctx_ptr)
+    shd.quiet(ctx_ptr)
+    tl.store(out_ptr, shd.atomic_fetch(word_ptr, pe, ctx_ptr))
+    tl.store(out_ptr + 1, shd.atomic_fetch(word32_ptr, pe, ctx_ptr).to(tl.int64))
+
+
 @aot(signature={"box_ptr": "*i64", "seen_ptr": "*i64", **_CTX}, constexprs={"ROUNDS": 3})
 @triton.jit
 def barrier_kernel(box_ptr, seen_ptr, ctx_ptr, ROUNDS: tl.constexpr):

@@ -396,9 +396,13 @@ def test_ring_layout_matches_the_native_proxy() -> None:
 
 
 def _gpu_through_proxy(rank: int, nranks: int) -> None:
+    # ucx moves the GPU heaps (cuda_ipc here), but its atomics run on the target's CPU, which
+    # cannot touch GPU memory: the proxy carries signals, sets and fetches by puts and gets, and
+    # refuses other atomics (a read-modify-write on device memory) by name
     import torch
 
     import mori.shmem as sh
+    from mori.core.errors import MoriBackendError
     from mori.shmem import device as shd
 
     tk = _kernels()
@@ -417,20 +421,28 @@ def _gpu_through_proxy(rank: int, nranks: int) -> None:
     seen = torch.zeros(1, dtype=torch.int64, device=dst.device)
     tk.wait_kernel[(1,)](sig[peer:], 5 + peer, seen)
     torch.cuda.synchronize()
-    assert int(seen) == 5 + peer
-    assert torch.equal(dst.cpu(), torch.arange(n, dtype=torch.int32) + 1000 * peer)
-    words = sh.mori_shmem_create_tensor((4,), torch.int64)
-    word32 = sh.mori_shmem_create_tensor((2,), torch.int32)
+    assert int(seen) == 5 + peer, "the peer's signal (SIGNAL_SET) arrived"
+    assert torch.equal(dst.cpu(), torch.arange(n, dtype=torch.int32) + 1000 * peer), "before it, its data"
+    words = sh.mori_shmem_create_tensor((1,), torch.int64)
+    word32 = sh.mori_shmem_create_tensor((1,), torch.int32)
+    back = sh.mori_shmem_create_tensor((2,), torch.int64)
     words.zero_()
     word32.zero_()
     torch.cuda.synchronize()
     sh.shmem_barrier_all()
-    out = torch.zeros(8, dtype=torch.int64, device=dst.device)
-    tk.atomics_kernel[(1,)](words, word32, out, rank, 0, ctx)
+    tk.set_fetch_kernel[(1,)](words, word32, back, 70 + rank, peer, ctx)
     torch.cuda.synchronize()
+    assert back.cpu().tolist() == [70 + rank, -70 - rank], "sets, then fetches, on the peer's GPU words"
     sh.shmem_barrier_all()
-    if rank == 0:
-        assert int(words[0]) == 2001 and int(words[1]) == 2, words
+    assert int(words) == 70 + peer and int(word32) == -70 - peer, "the peer's sets landed here"
+    sh.shmem_barrier_all()
+    if rank == 1:  # an add on PE 0's GPU word: refused, never executed (it crashed PE 0 before)
+        tk.many_adds_kernel[(1,)](words, 3, 0, ctx)
+        torch.cuda.synchronize()
+        with pytest.raises(
+            MoriBackendError, match=r"add on PE 0's device memory: the ucx transport has no atomics"
+        ):
+            sh.shmem_quiet()
 
 
 def _gpu_transport() -> str | None:
@@ -522,6 +534,203 @@ def test_proxy_alone_host_requests_replies_and_a_transport_failure() -> None:
     finally:
         proxy.stop()
     assert not proxy.running
+
+
+def _proxy_pair(nslots: int, rma_signals: bool) -> tuple[Any, Any, Any, int, tuple[Any, ...]]:
+    """A started proxy of PE 0 over tcp on loopback (its heap and PE 1's are CPU tensors of 64 KiB),
+    both heaps, the heap's base, and the objects the proxy uses (keep them alive with it)."""
+    import torch
+
+    from mori.core import _core
+    from mori.core.transport import find_network_transport, open_transport
+
+    tcp = find_network_transport("tcp")
+    mine, theirs = open_transport(tcp.ops(), tcp.options()), open_transport(tcp.ops(), tcp.options())
+    heap, peer_heap = torch.zeros(1 << 16, dtype=torch.uint8), torch.zeros(1 << 16, dtype=torch.uint8)
+    heap_mem, peer_mem = (
+        mine.register(heap.data_ptr(), heap.numel()),
+        theirs.register(peer_heap.data_ptr(), 1 << 16),
+    )
+    ep = mine.connect(theirs.address())
+    ring = torch.zeros(_core.Proxy.ring_size(nslots) + 64, dtype=torch.uint8)
+    ring_addr = (ring.data_ptr() + 63) // 64 * 64
+    proxy = _core.Proxy(
+        mine,
+        0,
+        2,
+        heap.data_ptr(),
+        heap.numel(),
+        heap_mem,
+        ring_addr,
+        _core.Proxy.ring_size(nslots),
+        nslots,
+        64,
+        10.0,
+        rma_signals=rma_signals,
+    )
+    proxy.add_peer(1, ep, ep.unpack_rkey(peer_mem.rkey), peer_heap.data_ptr())
+    proxy.start()
+    return proxy, heap, peer_heap, heap.data_ptr(), (mine, theirs, heap_mem, peer_mem, ep, ring)
+
+
+def test_proxy_rma_signals_carries_sets_fetches_and_signals_by_puts_and_gets() -> None:
+    """rma_signals (a GPU heap on a transport without atomics on device memory, as ucx without
+    RDMA): signals and sets are puts of the slot's value word, fetches gets into its result word;
+    every slot stays taken until its request is complete, so more requests than slots still work."""
+    import torch
+
+    from mori.core.transport import OP_FETCH, OP_SET, WORD_INT32, WORD_INT64
+    from mori.shmem import layout
+
+    proxy, heap, peer_heap, base, _keep = _proxy_pair(4, True)
+    try:
+        heap[:100] = torch.arange(100, dtype=torch.uint8) + 1
+        proxy.submit(
+            layout.OP_PUT_SIGNAL,
+            1,
+            dst=base,
+            src=base,
+            nbytes=100,
+            amo=OP_SET,
+            word=WORD_INT64,
+            value=9,
+            sig_addr=base + 2048,
+        )
+        proxy.quiet(10)
+        assert torch.equal(peer_heap[:100], heap[:100]), "the data of put-with-signal"
+        assert int(peer_heap[2048:2056].view(torch.int64)) == 9, "the signal, as a put of its value word"
+        for i in range(10):  # more sets than slots: each slot is freed once its put is complete
+            proxy.submit(
+                layout.OP_AMO, 1, dst=base + 3000, amo=OP_SET, word=WORD_INT32, value=(-3 - i) & 0xFFFFFFFF
+            )
+        proxy.quiet(10)
+        assert int(peer_heap[3000:3004].view(torch.int32)) == -12, "the last of ten 32-bit sets"
+        assert int(peer_heap[3004]) == 0 and int(peer_heap[2999]) == 0, "a 32-bit set writes 4 bytes"
+        fetched = [
+            proxy.submit(layout.OP_AMO, 1, dst=base + 2048, amo=OP_FETCH, word=WORD_INT64, reply=True)[1]
+            for _ in range(6)
+        ]
+        assert fetched == [9] * 6, "fetches are gets into the slot's result word (more replies than slots)"
+        old32 = proxy.submit(layout.OP_AMO, 1, dst=base + 3000, amo=OP_FETCH, word=WORD_INT32, reply=True)[1]
+        assert old32 == -12 & 0xFFFFFFFFFFFFFFFF, (
+            "a 32-bit fetch is sign-extended, as the transport's atomics"
+        )
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize("request_kind", ["add", "swap", "signal-add"])
+def test_proxy_rma_signals_refuses_read_modify_writes_by_name(request_kind: str) -> None:
+    """Without atomics on device memory an add, swap, ... cannot be carried: refused (never
+    executed, never emulated by a racy get and put), naming the operation, PE and why."""
+    import torch
+
+    from mori.core.errors import MoriBackendError
+    from mori.core.transport import OP_ADD, OP_SWAP, WORD_INT64
+    from mori.shmem import layout
+
+    proxy, _, peer_heap, base, _keep = _proxy_pair(4, True)
+    try:
+        if request_kind == "signal-add":
+            proxy.submit(
+                layout.OP_PUT_SIGNAL,
+                1,
+                dst=base,
+                src=base,
+                nbytes=8,
+                amo=OP_ADD,
+                word=WORD_INT64,
+                value=1,
+                sig_addr=base + 2048,
+            )
+            name = "signal add"
+        else:
+            amo = OP_ADD if request_kind == "add" else OP_SWAP
+            proxy.submit(layout.OP_AMO, 1, dst=base + 2048, amo=amo, word=WORD_INT64, value=5)
+            name = request_kind
+        with pytest.raises(
+            MoriBackendError, match=rf"{name} on PE 1's device memory: the tcp transport has no atomics"
+        ):
+            proxy.quiet(10)
+        assert proxy.error_code == layout.RING_ERR_REFUSED
+        assert int(peer_heap[2048:2056].view(torch.int64)) == 0, "nothing was executed"
+    finally:
+        proxy.stop()
+
+
+def test_proxy_without_rma_signals_still_uses_the_transports_atomics() -> None:
+    """The default (CPU heaps, or a transport with device atomics): an add is the transport's atomic."""
+    import torch
+
+    from mori.core.transport import OP_ADD, WORD_INT64
+    from mori.shmem import layout
+
+    proxy, _, peer_heap, base, _keep = _proxy_pair(4, False)
+    try:
+        for _ in range(3):
+            proxy.submit(layout.OP_AMO, 1, dst=base + 2048, amo=OP_ADD, word=WORD_INT64, value=5)
+        proxy.quiet(10)
+        assert int(peer_heap[2048:2056].view(torch.int64)) == 15
+    finally:
+        proxy.stop()
+
+
+def _under_rma_signals(rank: int, nranks: int) -> None:
+    # what a GPU heap on ucx without RDMA gets, on CPU heaps: device producers stage values in
+    # their heap (the proxy's puts and gets start and end there), read-modify-writes are refused
+    import torch
+
+    import mori.shmem as sh
+    from mori.core.errors import MoriBackendError
+    from mori.shmem import device as shd
+
+    tk = _kernels()
+    ctx = shd.shmem_device_context()
+    far = _far(rank, nranks)
+    n = 300
+    dst, src = sh.mori_shmem_create_tensor((n,), torch.int32), sh.mori_shmem_create_tensor((n,), torch.int32)
+    sig = sh.mori_shmem_create_tensor((nranks,), torch.int64)
+    dst.zero_()
+    sig.zero_()
+    src.copy_(torch.arange(n, dtype=torch.int32) + 1000 * rank)
+    sh.shmem_barrier_all()
+    tk.put_signal_kernel[(1,)](dst, src, sig[rank:], n, 5 + rank, far, ctx, BLOCK=1024)
+    sh.shmem_wait_until(sig[far : far + 1].data_ptr(), sh.SHMEM_CMP_EQ, 5 + far)
+    assert torch.equal(dst, torch.arange(n, dtype=torch.int32) + 1000 * far), (
+        "the data came before its signal"
+    )
+    words, word32 = (
+        sh.mori_shmem_create_tensor((1,), torch.int64),
+        sh.mori_shmem_create_tensor((1,), torch.int32),
+    )
+    back = sh.mori_shmem_create_tensor((2,), torch.int64)
+    words.zero_()
+    word32.zero_()
+    sh.shmem_barrier_all()
+    tk.set_fetch_kernel[(1,)](words, word32, back, 70 + rank, far, ctx)
+    assert back.tolist() == [70 + rank, -70 - rank], "sets, then fetches (both staged in this PE's heap)"
+    sh.shmem_barrier_all()
+    assert int(words) == 70 + far and int(word32) == -70 - far, "the far PE's sets landed here"
+    box, seen = (
+        sh.mori_shmem_create_tensor((nranks,), torch.int64),
+        torch.zeros(3 * nranks, dtype=torch.int64),
+    )
+    box.zero_()
+    sh.shmem_barrier_all()
+    tk.barrier_kernel[(1,)](box, seen, ctx, ROUNDS=3)  # the device barrier's arrivals are sets
+    assert seen.view(3, nranks).tolist() == [[r * 100 + p for p in range(nranks)] for r in range(3)]
+    sh.shmem_barrier_all()
+    if rank == 1:  # an add to the other node: refused by name, never executed
+        tk.many_adds_kernel[(1,)](words, 3, far, ctx)
+        with pytest.raises(
+            MoriBackendError, match=r"add on PE 3's device memory: the tcp transport has no atomics"
+        ):
+            sh.shmem_quiet()
+
+
+def test_device_api_under_rma_signals_across_two_nodes() -> None:
+    """MORI_SHMEM_PROXY_ATOMICS=rma on CPU: the restriction a GPU heap has on ucx without RDMA."""
+    _run(_under_rma_signals, 4, env={"MORI_SHMEM_TRANSPORT": "tcp", "MORI_SHMEM_PROXY_ATOMICS": "rma"})
 
 
 # -- the ready-made kernels (mori.shmem.kernels) across nodes -----------------------------------------

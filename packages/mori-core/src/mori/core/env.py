@@ -177,6 +177,17 @@ MORI_SHMEM_PROXY_PIECE = EnvVar(
     "4M",
     parse_size,
 )
+MORI_SHMEM_PROXY_ATOMICS = EnvVar(
+    "MORI_SHMEM_PROXY_ATOMICS",
+    "auto",
+    "How the proxy carries atomics and signals to PEs of other nodes. auto: the transport's atomics, "
+    "except for a GPU heap on a transport without atomics on device memory (ucx without RDMA), where "
+    "signals, sets and fetches become puts and gets and every other atomic is refused. rma: that "
+    "restriction on any heap, e.g. to check on CPU that kernels run under it.",
+    "rma",
+    choice("auto", "rma"),
+    "auto, rma",
+)
 MORI_AUTH_TOKEN = EnvVar(
     "MORI_AUTH_TOKEN",
     None,
@@ -308,6 +319,7 @@ ALL: tuple[EnvVar[object], ...] = (
     MORI_SHMEM_TRANSPORT,
     MORI_SHMEM_PROXY_SLOTS,
     MORI_SHMEM_PROXY_PIECE,
+    MORI_SHMEM_PROXY_ATOMICS,
     MORI_DEVICE_RUNTIME,
     MORI_DISABLE_P2P,
     MORI_PRECOMPILE,

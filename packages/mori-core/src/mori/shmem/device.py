@@ -49,8 +49,16 @@ on the network transport (``csrc/proxy.cpp``). Then:
   proxy (``shmem_quiet``, ``shmem_barrier_all``, ...) raises
   :class:`~mori.core.errors.MoriBackendError` naming the PE.
 
-Measured under the Triton interpreter on CPU (2 emulated nodes x 2 ranks over ``tcp`` and ``ucx``);
-the GPU path (the ring in pinned host memory mapped into the GPU) has not run on a GPU yet.
+**GPU heaps without atomics on device memory** (a transport without
+``CAP_DEVICE_ATOMIC``, such as ``ucx`` without RDMA, whose atomics run on the target's CPU): the
+proxy carries signals (``SIGNAL_SET``), :func:`atomic_set` and :func:`atomic_fetch` as puts and
+gets of a staging word in this PE's heap (device to device memory), and refuses every other atomic
+and ``SIGNAL_ADD`` (a read-modify-write) by name. ``MORI_SHMEM_PROXY_ATOMICS=rma`` applies the same
+restriction on any heap, to check a kernel on CPU.
+
+Run under the Triton interpreter on CPU (2 emulated nodes x 2 ranks over ``tcp`` and ``ucx``) and
+on one H200 (two PEs sharing it, ``MORI_DISABLE_P2P=1``, ``ucx`` over cuda_ipc: a 1 KiB
+put+signal ping-pong took 190 µs per round trip, kernel launches included).
 
 **Memory order.** Atomics take ``SEM`` (``"relaxed"``, ``"acquire"``, ``"release"``,
 ``"acq_rel"``) and ``SCOPE`` (``"cta"``, ``"gpu"``, ``"sys"``); the default is ``"acq_rel"`` at
@@ -152,6 +160,8 @@ _RING_HEAD = tl.constexpr(layout.RING_HEAD // 8)
 _RING_COMPLETED = tl.constexpr(layout.RING_COMPLETED // 8)
 _RING_ERROR = tl.constexpr(layout.RING_ERROR // 8)
 _RING_SLOT_COUNT = tl.constexpr(layout.RING_SLOT_COUNT // 8)
+_RING_RMA_SIGNALS = tl.constexpr(layout.RING_RMA_SIGNALS // 8)
+_RING_STAGE_OFF = tl.constexpr(layout.RING_STAGE_OFF)
 _RING_SLOTS = tl.constexpr(layout.RING_SLOTS // 8)
 _RING_SLOT_WORDS = tl.constexpr(layout.RING_SLOT_BYTES // 8)
 _W_SEQ = tl.constexpr(layout.W_SEQ)
@@ -173,6 +183,7 @@ _OP_AMO = tl.constexpr(layout.OP_AMO)
 _OP_PUT_SIGNAL = tl.constexpr(layout.OP_PUT_SIGNAL)
 _OP_FENCE = tl.constexpr(layout.OP_FENCE)
 _FLAG_REPLY = tl.constexpr(layout.FLAG_REPLY)
+_FLAG_STAGED = tl.constexpr(layout.FLAG_STAGED)
 # the transport's atomic codes (mori/transport.h)
 _TP_FETCH = tl.constexpr(0)
 _TP_SET = tl.constexpr(1)
@@ -335,8 +346,8 @@ def _word_code(ptr):
 @device_function
 @triton.jit
 def _proxy_request(
-    # this PE's proxy ring (from _ring), the operation (_OP_*) and the target PE
-    ring,
+    # the context (this PE's ring and heap), the operation (_OP_*) and the target PE
+    ctx_ptr,
     op,
     pe,
     # addresses (int64): symmetric ones as this PE sees them, local ones in registered memory
@@ -356,14 +367,24 @@ def _proxy_request(
     # head; wait until slot t % N is free (its sequence word is t); write the fields; publish with
     # a release store of seq = t + 1. With REPLY, wait for seq = t + 2 (the proxy wrote the
     # result), read the result, free the slot with seq = t + N. Returns the result (int64; 0
-    # without REPLY; undefined if the proxy failed).
+    # without REPLY; undefined if the proxy failed). A proxy with rma_signals (a GPU heap, no
+    # atomics on device memory) moves the value of an atomic or signal from the slot's staging
+    # word in this PE's heap, and a fetch's result into it: device memory to device memory.
+    ring = _ring(ctx_ptr)
     nslots = tl.load(ring + _RING_SLOT_COUNT)
     t = tl.atomic_add(ring + _RING_HEAD, 1, sem="relaxed", scope="sys")
     slot = ring + _RING_SLOTS + (t % nslots) * _RING_SLOT_WORDS
     _ring_wait(slot + _W_SEQ, t, ring)
+    staged = (tl.load(ring + _RING_RMA_SIGNALS) != 0) & ((op == _OP_AMO) | (op == _OP_PUT_SIGNAL))
+    stage = (_heap_base(my_pe(ctx_ptr), ctx_ptr) + _RING_STAGE_OFF + (t % nslots) * 8).to(
+        tl.pointer_type(tl.int64)
+    )
+    if staged:
+        tl.store(stage, tl.cast(value, tl.int64))
+    flags = tl.where(staged, _FLAG_STAGED, 0) + (_FLAG_REPLY if REPLY else 0)
     tl.store(slot + _W_OP, tl.cast(op, tl.int64))
     tl.store(slot + _W_PE, tl.cast(pe, tl.int64))
-    tl.store(slot + _W_FLAGS, tl.cast(_FLAG_REPLY if REPLY else 0, tl.int64))
+    tl.store(slot + _W_FLAGS, tl.cast(flags, tl.int64))
     tl.store(slot + _W_AMO, tl.cast(amo, tl.int64))
     tl.store(slot + _W_WORD, tl.cast(word, tl.int64))
     tl.store(slot + _W_DST, tl.cast(dst, tl.int64))
@@ -377,7 +398,10 @@ def _proxy_request(
     result = tl.cast(0, tl.int64)
     if REPLY:
         _ring_wait(slot + _W_SEQ, t + 2, ring)
-        result = tl.load(slot + _W_RESULT, volatile=True)
+        if staged:  # the proxy's get wrote the staging word
+            result = tl.load(stage, volatile=True)
+        else:
+            result = tl.load(slot + _W_RESULT, volatile=True)
         tl.atomic_xchg(slot + _W_SEQ, t + nslots, sem="release", scope="sys")
     return result
 
@@ -387,7 +411,7 @@ def _proxy_request(
 def _proxy_atomic(ptr, amo, value, compare, pe, ctx_ptr, REPLY: tl.constexpr):
     # an atomic on the word at ptr on PE pe through the proxy; returns the old value (REPLY)
     old = _proxy_request(
-        _ring(ctx_ptr),
+        ctx_ptr,
         _OP_AMO,
         pe,
         _address(ptr),
@@ -460,7 +484,7 @@ def putmem_block(
     if _heap_base(pe, ctx_ptr) == 0:
         ELEM_BYTES: tl.constexpr = (dst_ptr.dtype.element_ty.primitive_bitwidth + 7) // 8
         _proxy_request(
-            _ring(ctx_ptr),
+            ctx_ptr,
             _OP_PUT,
             pe,
             _address(dst_ptr),
@@ -500,7 +524,7 @@ def getmem_block(
     if _heap_base(pe, ctx_ptr) == 0:
         ELEM_BYTES: tl.constexpr = (dst_ptr.dtype.element_ty.primitive_bitwidth + 7) // 8
         _proxy_request(
-            _ring(ctx_ptr),
+            ctx_ptr,
             _OP_GET,
             pe,
             _address(dst_ptr),
@@ -571,7 +595,7 @@ def put_signal_block(
         # one request: the proxy puts, fences, then updates the signal
         ELEM_BYTES: tl.constexpr = (dst_ptr.dtype.element_ty.primitive_bitwidth + 7) // 8
         _proxy_request(
-            _ring(ctx_ptr),
+            ctx_ptr,
             _OP_PUT_SIGNAL,
             pe,
             _address(dst_ptr),
@@ -748,7 +772,7 @@ def fence(ctx_ptr):
     tl.atomic_or(ctx_ptr + _CTX_MY_PE, 0, sem="acq_rel", scope="sys")
     tl.debug_barrier()
     if _ring_addr(ctx_ptr) != 0:
-        _proxy_request(_ring(ctx_ptr), _OP_FENCE, 0, 0, 0, 0, 0, 0, 0, 0, 0, False)
+        _proxy_request(ctx_ptr, _OP_FENCE, 0, 0, 0, 0, 0, 0, 0, 0, 0, False)
 
 
 @device_function

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from mori.core import _core, env
 from mori.core.errors import MoriBackendError, MoriTimeoutError, MoriValueError, format_ranks
 from mori.core.transport import (
+    CAP_DEVICE_ATOMIC,
     MEM_CUDA,
     MEM_HOST,
     TransportEndpoint,
@@ -94,6 +95,10 @@ class NetworkPeers:
                 slots,
                 env.MORI_SHMEM_PROXY_PIECE.require(),
                 ctx.timeout_s,
+                # a GPU heap on a transport without atomics on device memory: signals, sets and
+                # fetches by puts and gets, other atomics refused (csrc/proxy.cpp)
+                rma_signals=env.MORI_SHMEM_PROXY_ATOMICS.require() == "rma"
+                or (mem_type != MEM_HOST and not self.tp.caps & CAP_DEVICE_ATOMIC),
             )
             for pe, (ep, rk, base) in self.peers.items():
                 self.proxy.add_peer(pe, ep, rk, base)
