@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of the SHMEM proxy (device API to PEs that loads and stores cannot reach), for a lent
-# GPU machine after `bash tools/gpu_session.sh setup`. Not run yet on a GPU: this is its first run.
+# GPU machine after `bash tools/gpu_session.sh setup` (with ucx installed: backends/ucx and its wheel).
 #
 #   bash tools/proxy_gpu_check.sh          # logs and JUnit XML into $OUT (default /tmp/gpu-out)
 #

@@ -265,7 +265,7 @@ def _check_args(args: argparse.Namespace) -> None:
             SUITE,
             "--nodes",
             args.nodes,
-            "1 with --device cuda (device-initiated inter-node traffic needs the proxy, issue 14)",
+            "1 with --device cuda (the inter-node Triton kernels are not written yet, issue 19)",
         )
     positive("--hidden", args.hidden)
     positive("--experts", args.experts)

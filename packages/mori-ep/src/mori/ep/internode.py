@@ -34,8 +34,8 @@ and every message (put, signal, atomic) to another node, control included.
 The original's RDMA knobs are accepted, validated and recorded, and change nothing here: each
 stream is one host transport operation, so there are no GPU blocks to split (``rdma_block_num``)
 and no queue pairs to rotate (``num_qp_per_pe``, ``MORI_NUM_QP_PER_PE``); they will shape the GPU
-path once device-initiated traffic goes through the proxy (issue 14). On a GPU heap these kernel
-types raise :class:`~mori.core.errors.MoriBackendError` for that reason.
+path, whose kernels (device-initiated traffic through the SHMEM proxy) are not written yet (issue
+19). On a GPU heap these kernel types raise :class:`~mori.core.errors.MoriBackendError` for that reason.
 
 Every peer is untrusted: row counts, source token ids and replayed layouts read from a stream are
 checked before use; a wait that times out names the rank that did not send.

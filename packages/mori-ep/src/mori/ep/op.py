@@ -74,7 +74,8 @@ IMPLS = ("auto", "host", "triton")
 _ROUTING_KERNELS = (KT.IntraNode, KT.InterNodeV1)
 #: the error for inter-node kernel types where tokens would have to leave a GPU by themselves
 _NEEDS_PROXY = (
-    "device-initiated inter-node traffic needs the proxy thread (issue 14), which is not built yet; "
+    "their Triton kernels (device-initiated inter-node traffic through the SHMEM proxy) are not written yet "
+    "(issue 19); "
     "on the cpu runtime (MORI_DEVICE_RUNTIME=cpu) the host path runs these kernel types with impl='auto' "
     "or impl='host'"
 )
@@ -303,8 +304,8 @@ class EpDispatchCombineOp:
     combine), on the ranks of one node; ``InterNode``, ``InterNodeV1`` and ``InterNodeV1LL``
     across nodes (``config.gpu_per_node`` ranks each) on the cpu runtime's host path, the legs to
     other nodes through the SHMEM network transport (:mod:`mori.ep.internode`). On a GPU heap the
-    inter-node types raise :class:`~mori.core.errors.MoriBackendError`: their device-initiated
-    traffic needs the proxy (issue 14).
+    inter-node types raise :class:`~mori.core.errors.MoriBackendError`: their Triton kernels
+    (device-initiated traffic through the SHMEM proxy) are not written yet (issue 19).
     """
 
     def __init__(self, config: EpDispatchCombineConfig, *, impl: str = "auto") -> None:

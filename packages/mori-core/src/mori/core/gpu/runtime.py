@@ -269,10 +269,10 @@ class GpuMappedHostMemory(MappedHostMemory):
     """Pinned host memory mapped into the GPU (``cuMemHostAlloc`` portable | device-mapped, or the
     HIP equivalent), with the device address from ``cuMemHostGetDevicePointer``.
 
-    NOT YET RUN ON A GPU: written for the proxy's ring, checked on CPU only through a fake driver.
-    Open questions a GPU run must answer: whether a kernel's system-scope fetch-add on this memory
-    is atomic against other GPU programs over PCIe (the ring's head; host producers use the same
-    word, which needs host-native atomics on the device, ``CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED``).
+    The proxy's ring lives here (run on an H200: kernels reserve tickets with system-scope
+    fetch-adds on it and the proxy thread reads it). Host producers fetch-add the same head word,
+    which is atomic against the device's only with host-native atomics
+    (``CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED``); device code alone is the usual case.
     """
 
     def __init__(self, state: _DeviceState, size: int) -> None:
@@ -669,5 +669,5 @@ class GpuRuntime(DeviceRuntime):
             st.drv.synchronize()
 
     def alloc_mapped_host(self, size: int) -> MappedHostMemory:
-        """Pinned host memory mapped into this GPU (:class:`GpuMappedHostMemory`; not yet run on a GPU)."""
+        """Pinned host memory mapped into this GPU (:class:`GpuMappedHostMemory`)."""
         return GpuMappedHostMemory(self._require("alloc_mapped_host"), size)
