@@ -11,8 +11,9 @@ written lives here once, so every suite does it the same way.
   :func:`json_path` / :func:`plot_path` (``--plot none`` means no plot, in every suite);
 * placement: :func:`free_port`, :func:`cpu_threads`, :func:`gpu_per_rank`, :func:`device_name`,
   :func:`agree`;
-* timers: :func:`time_samples`, :func:`time_interleaved` (host clock), :func:`capture_graph` and
-  :func:`time_cuda` (CUDA graphs and events);
+* timers: :func:`time_samples`, :func:`time_interleaved`, :func:`time_transfers` and
+  :func:`time_pipelined` (host clock), :func:`capture_graph` and :func:`time_cuda` (CUDA graphs
+  and events);
 * statistics: :class:`Stats`, :func:`percentile`, :func:`spread`, :func:`gbps`;
 * the baseline: :func:`speedup`, :func:`untrusted`, :func:`compare` and :func:`ratio_notes`;
 * output: :func:`write_json` (git sha, machine, config, rows), :func:`format_table`,
@@ -72,7 +73,9 @@ __all__ = [
     "spread",
     "time_cuda",
     "time_interleaved",
+    "time_pipelined",
     "time_samples",
+    "time_transfers",
     "untrusted",
     "version",
     "write_json",
@@ -250,6 +253,38 @@ def time_interleaved(
             if i >= warmup:
                 out[name].append(sample(dt) if sample is not None else dt)
     return out
+
+
+def time_transfers(
+    post: Callable[[], Any], wait: Callable[[Any], None], iters: int
+) -> tuple[list[float], list[float]]:
+    """``iters`` stop-and-wait operations (``post()`` starts one and returns its handle,
+    ``wait(handle)`` returns when it is done): per iteration the latency (post until done) and
+    the post time (the call that starts it), in seconds, as two lists."""
+    lat, posts = [], []
+    clock = time.perf_counter
+    for _ in range(iters):
+        t0 = clock()
+        handle = post()
+        t1 = clock()
+        wait(handle)
+        t2 = clock()
+        posts.append(t1 - t0)
+        lat.append(t2 - t0)
+    return lat, posts
+
+
+def time_pipelined(
+    post: Callable[[], Any], wait: Callable[[Any], None], iters: int, *, wait_each: bool = True
+) -> float:
+    """Seconds for ``iters`` operations posted back to back (all in flight at once), then all
+    waited for: each handle, or with ``wait_each=False`` only the last (a wait that covers
+    everything before it, such as a device synchronize)."""
+    t0 = time.perf_counter()
+    handles = [post() for _ in range(iters)]
+    for h in handles if wait_each else handles[-1:]:
+        wait(h)
+    return time.perf_counter() - t0
 
 
 def capture_graph(fn: Callable[[], object], reps: int) -> tuple[Any, str]:

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from mori.core import bench
+from mori.core.bench import time_pipelined, time_transfers
 from mori.core.env import parse_positive_float, parse_size
 from mori.core.errors import MoriError
 
@@ -214,36 +215,6 @@ def summarize(nbytes: int, reps: Sequence[tuple[Sequence[float], Sequence[float]
         "avg_post_us": statistics.fmean(posts) * 1e6,
         "iterations": len(lats),
     }
-
-
-def time_transfers(
-    post: Callable[[], Any], wait: Callable[[Any], None], iters: int
-) -> tuple[list[float], list[float]]:
-    """``iters`` stop-and-wait transfers: per iteration (latency, post time) in seconds."""
-    lat, posts = [], []
-    clock = time.perf_counter
-    for _ in range(iters):
-        t0 = clock()
-        handle = post()
-        t1 = clock()
-        wait(handle)
-        t2 = clock()
-        posts.append(t1 - t0)
-        lat.append(t2 - t0)
-    return lat, posts
-
-
-def time_pipelined(
-    post: Callable[[], Any], wait: Callable[[Any], None], iters: int, *, wait_each: bool = True
-) -> float:
-    """Seconds for ``iters`` transfers posted back to back (all in flight at once), then all waited
-    for: each handle, or with ``wait_each=False`` only the last (a wait that covers everything
-    before it, such as a device synchronize)."""
-    t0 = time.perf_counter()
-    handles = [post() for _ in range(iters)]
-    for h in handles if wait_each else handles[-1:]:
-        wait(h)
-    return time.perf_counter() - t0
 
 
 def with_stream_figures(
