@@ -210,3 +210,7 @@ def test_compare_gives_no_ratio_against_a_point_that_is_off() -> None:
 def test_tables() -> None:
     assert bench.format_table(["a", "bb"], [[10, 2]]) == " a  bb\n--  --\n10   2"
     assert bench.markdown_table(["a", "b"], [[1, 2]]) == "| a | b |\n|---|---|\n| 1 | 2 |"
+
+
+def test_slowest_takes_each_samples_slowest_rank() -> None:
+    assert bench.slowest([[1.0, 5.0, 2.0], [3.0, 1.0, 2.0]]) == [3.0, 5.0, 2.0]

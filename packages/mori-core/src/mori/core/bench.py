@@ -14,7 +14,7 @@ written lives here once, so every suite does it the same way.
 * timers: :func:`time_samples`, :func:`time_interleaved`, :func:`time_transfers` and
   :func:`time_pipelined` (host clock), :func:`capture_graph` and :func:`time_cuda` (CUDA graphs
   and events);
-* statistics: :class:`Stats`, :func:`percentile`, :func:`spread`, :func:`gbps`;
+* statistics: :class:`Stats`, :func:`percentile`, :func:`slowest`, :func:`spread`, :func:`gbps`;
 * the baseline: :func:`speedup`, :func:`untrusted`, :func:`compare` and :func:`ratio_notes`;
 * output: :func:`write_json` (git sha, machine, config, rows), :func:`format_table`,
   :func:`format_row`, :func:`markdown_table`, :func:`human_bytes`, :func:`draw_plot`, and
@@ -69,6 +69,7 @@ __all__ = [
     "plot_path",
     "ratio_notes",
     "size_list",
+    "slowest",
     "speedup",
     "spread",
     "time_cuda",
@@ -364,6 +365,12 @@ class Stats:
             "max": self.max * 1e6,
             "n": self.n,
         }
+
+
+def slowest(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Sample ``i`` = the slowest rank's sample ``i`` (``per_rank[r]``: rank ``r``'s samples, taken
+    together): a collective is done when its last rank is."""
+    return [max(s) for s in zip(*per_rank, strict=True)]
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:

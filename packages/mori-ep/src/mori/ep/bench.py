@@ -786,11 +786,6 @@ def _baseline(
 # -- results ----------------------------------------------------------------------------------------------
 
 
-def _slowest(per_rank: Sequence[Sequence[float]]) -> list[float]:
-    """Sample i = the slowest rank's sample i (a collective is done when its last rank is)."""
-    return [max(s) for s in zip(*per_rank, strict=True)]
-
-
 def _lat(samples: Sequence[float]) -> dict[str, Any]:
     """Median, p10, p90, min, max (us) and n of per-call samples in seconds."""
     return bench.Stats.of(samples).us()
@@ -813,7 +808,7 @@ def _rows(spec: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str,
             for phase in ("dispatch", "combine"):
                 elem = 1 if (phase == "dispatch" and dtype == "fp8") else 2
                 meas = [c["ours"][si][phase] for c in per_rank]
-                samples = _slowest([m["samples"] for m in meas])
+                samples = bench.slowest([m["samples"] for m in meas])
                 medians = [statistics.median(m["samples"]) for m in meas]
                 b_orig = [bytes_original(r, hidden, elem) for r in rows]
                 b_dpe = [bytes_deepep(r, hidden, phase, dtype, scale_dim) for r in rows]
@@ -849,7 +844,9 @@ def _rows(spec: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str,
                     for f in ("rows", "bytes", "messages"):
                         row[f"inter_node_{f}_per_rank"] = [c["inter_node"][phase][f] for c in per_rank]
                 if f"{phase}_traced" in per_rank[0]["ours"][si]:
-                    traced = _lat(_slowest([c["ours"][si][f"{phase}_traced"]["samples"] for c in per_rank]))
+                    traced = _lat(
+                        bench.slowest([c["ours"][si][f"{phase}_traced"]["samples"] for c in per_rank])
+                    )
                     row["traced"] = {
                         "latency_us": traced,
                         "ratio": traced["median"] / row["latency_us"]["median"],
@@ -874,7 +871,7 @@ def _baseline_row(
         g = [gbps(b, t) for b, t in zip(b_dpe, medians, strict=True)]
         return {
             "timing": meas[0]["mode"],
-            "latency_us": _lat(_slowest([m["samples"] for m in meas])),
+            "latency_us": _lat(bench.slowest([m["samples"] for m in meas])),
             "gbps_deepep": sum(g) / len(g),
         }
 
