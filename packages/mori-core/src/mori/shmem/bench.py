@@ -42,6 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="where to write the JSON record (default bench-results/shmem-DEVICE.json)",
     )
+    p.add_argument(
+        "--plot",
+        default=None,
+        help="cuda: where to draw the plot (default: the JSON path with .png; 'none' for no plot; needs "
+        "matplotlib); the cpu run draws none",
+    )
 
 
 def _time_per_call(fn: Callable[[], object], size: int, samples: int) -> list[float]:

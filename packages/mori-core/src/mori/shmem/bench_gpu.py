@@ -330,7 +330,7 @@ def report(args: Any, r0: dict[str, Any], r1: dict[str, Any]) -> int:
         [*rows_out, *extra],
     )
     print(f"wrote {path}")
-    bench.draw_plot(bench.plot_path(None, path), lambda plt: _plot(plt, rows_out))
+    bench.draw_plot(bench.plot_path(args.plot, path), lambda plt: _plot(plt, rows_out))
     return 0 if r1["verified"] and replays == (1000, 1000) else 1
 
 
