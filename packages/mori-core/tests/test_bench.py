@@ -83,3 +83,134 @@ def test_a_record_names_the_code_that_ran(tmp_path, monkeypatch) -> None:
     assert bench.git_sha() == clean + "+dirty"
     monkeypatch.setenv("MORI_BENCH_GIT_SHA", "abc1234")
     assert bench.git_sha() == "abc1234"
+
+
+# -- the toolkit the suites share -------------------------------------------------------------------
+
+
+def test_list_options_parse_and_name_the_bad_value() -> None:
+    import argparse
+    import functools
+
+    import pytest
+
+    assert bench.size_list("4K, 1M,64M") == [4096, 1 << 20, 64 << 20]
+    assert bench.int_list("1,32,-1") == [1, 32, -1]
+    assert bench.name_list("Write,read", ("write", "read"), lower=True) == ["write", "read"]
+    for parse, text, message in (
+        (bench.size_list, "4Q", "'4Q': expected a byte count"),
+        (bench.size_list, ",", "expected at least one size"),
+        (bench.int_list, "4,x", "expected comma-separated integers, got '4,x'"),
+        (functools.partial(bench.int_list, minimum=1), "1,0", "expected integers >= 1, got '1,0'"),
+        (functools.partial(bench.name_list, allowed=("bf16", "fp8")), "fp16", "subset of bf16,fp8"),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            parse(text)
+
+
+def test_plot_none_means_no_plot(tmp_path, monkeypatch) -> None:
+    # `--plot none` once drew none.png into the working directory (savefig adds the extension)
+    monkeypatch.chdir(tmp_path)
+    record = tmp_path / "r" / "io-cpu.json"
+    assert bench.plot_path(None, record) == record.with_suffix(".png")
+    assert str(bench.plot_path("p.png", record)) == "p.png"
+    for none in ("none", "None"):
+        assert bench.plot_path(none, record) is None
+    drawn: list[object] = []
+    assert bench.draw_plot(bench.plot_path("none", record), drawn.append) is False
+    assert drawn == [] and list(tmp_path.rglob("*.png")) == []
+
+
+def test_draw_plot_saves_the_figure(tmp_path, capsys) -> None:
+    import pytest
+
+    pytest.importorskip("matplotlib")
+
+    def draw(plt):  # type: ignore[no-untyped-def]
+        fig, ax = plt.subplots()
+        ax.plot([1, 2], [3, 4])
+        return fig
+
+    path = tmp_path / "sub" / "p.png"
+    assert bench.draw_plot(path, draw)
+    assert path.stat().st_size > 0 and f"wrote {path}" in capsys.readouterr().out
+
+
+class _Stream:
+    def __init__(self, tty: bool) -> None:
+        self.tty, self.text = tty, ""
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, s: str) -> int:
+        self.text += s
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_progress_shows_on_a_terminal_only() -> None:
+    tty, pipe = _Stream(True), _Stream(False)
+    for stream in (tty, pipe):
+        with bench.Progress("mori bench x", 2, stream=stream) as p:  # type: ignore[arg-type]
+            p.step("4 KiB")
+            p.step("1 MiB")
+    assert pipe.text == ""
+    assert "\rmori bench x: [1/2] 4 KiB" in tty.text and "\rmori bench x: [2/2] 1 MiB" in tty.text
+    assert tty.text.endswith("\r")  # the line is cleared at the end
+
+
+def test_progress_defaults_to_stderr_as_it_is_when_created(capsys) -> None:
+    # under capture stderr is no terminal: quiet, as in CI
+    with bench.Progress("mori bench x") as p:
+        p.step("a")
+    assert capsys.readouterr().err == ""
+
+
+def test_timers_call_reps_times_per_sample_and_before_each() -> None:
+    calls: list[str] = []
+    samples = bench.time_samples(
+        lambda: calls.append("f"), iters=3, warmup=2, reps=4, before=lambda: calls.append("b")
+    )
+    assert len(samples) == 3 and all(s >= 0 for s in samples)
+    assert "".join(calls) == "bf" * 2 + ("b" + "f" * 4) * 3
+    order: list[str] = []
+    out = bench.time_interleaved(
+        {"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+        iters=2,
+        warmup=1,
+        reps={"a": 2, "b": 1},
+        sample=lambda s: -1.0,
+    )
+    assert out == {"a": [-1.0, -1.0], "b": [-1.0, -1.0]} and "".join(order) == "aab" * 3
+
+
+def test_statistics_by_hand() -> None:
+    assert bench.percentile([5, 1, 4, 2, 3], 0.99) == 5 and bench.percentile([5, 1, 4, 2, 3], 0.5) == 3
+    assert bench.spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0}
+    st = bench.Stats.of([1e-6, 2e-6, 3e-6])
+    assert st.us()["median"] == 2.0 and st.us()["n"] == 3
+    assert bench.gbps(2e9, 2.0) == 1.0 and bench.speedup(1.0, 4.0) == 4.0
+
+
+def test_compare_gives_no_ratio_against_a_point_that_is_off() -> None:
+    ours = _stats([_copy_time(s) / 2 for s in SIZES])
+    base = [_copy_time(s) for s in SIZES]
+    i = SIZES.index(64 << 10)
+    base[i] = 650e-6
+    ratios = bench.compare(SIZES, ours, _stats(base), ours_what="put", baseline_what="copy_ baseline")
+    assert ratios[i].value is None and "copy_ baseline median 650.00 us" in ratios[i].off[0]
+    assert all(r.value is not None and abs(r.value - 2.0) < 1e-9 for j, r in enumerate(ratios) if j != i)
+    notes = bench.ratio_notes([bench.human_bytes(s) for s in SIZES], ratios, more="--samples")
+    assert notes[0].startswith("* 64 KiB: no ratio, copy_ baseline") and "more --samples" in notes[1]
+
+
+def test_tables() -> None:
+    assert bench.format_table(["a", "bb"], [[10, 2]]) == " a  bb\n--  --\n10   2"
+    assert bench.markdown_table(["a", "b"], [[1, 2]]) == "| a | b |\n|---|---|\n| 1 | 2 |"
+
+
+def test_slowest_takes_each_samples_slowest_rank() -> None:
+    assert bench.slowest([[1.0, 5.0, 2.0], [3.0, 1.0, 2.0]]) == [3.0, 5.0, 2.0]

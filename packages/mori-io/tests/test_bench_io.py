@@ -304,3 +304,19 @@ def test_a_target_killed_mid_run_fails_in_seconds(cma: str, tmp_path: Path) -> N
         "mori: error: mori bench io: the target process exited with code -9 while the initiator waited" in err
     )
     assert elapsed < 20, f"took {elapsed:.1f} s to notice"
+
+
+def test_plot_none_draws_no_plot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `mori bench io --plot none` drew `none.png` into the working directory (matplotlib adds the
+    # extension) and a run committed it. The measurement is replaced by known rows: the question is
+    # only what run() draws.
+    fig = {"gbps": 1.0, "gbps_min": 1.0, "gbps_max": 1.0, "avg_lat_us": 1.0, "p99_lat_us": 1.0}
+    rows = [{"op": "write", "block": 4096, "batch": 1, "mori": {**fig, "avg_post_us": 1.0}}]
+    monkeypatch.setattr(bench, "run_cpu", lambda args: ({"verified": {"mori": True}}, rows))
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["bench", "io", "--json", str(tmp_path / "io.json"), "--plot", "none"])
+    assert bench.run(args) == 0
+    assert json.loads((tmp_path / "io.json").read_text())["rows"] == rows
+    assert list(tmp_path.rglob("*.png")) == [] and "png" not in capsys.readouterr().out

@@ -33,15 +33,13 @@ integers, so float sums are exact too).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import socket
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
 from mori.core import bench
-from mori.core.env import parse_size
 from mori.core.errors import bad_value
 
 __all__ = ["add_arguments", "busbw_factor", "run"]
@@ -67,21 +65,6 @@ def busbw_factor(collective: str, n: int) -> float:
     return (n - 1) / n
 
 
-def _sizes(text: str) -> list[int]:
-    try:
-        return [parse_size(t) for t in text.split(",") if t.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
-
-
-def _names(text: str, allowed: Sequence[str]) -> list[str]:
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in allowed]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of {', '.join(allowed)}")
-    return names
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu ranks or one GPU per rank")
     p.add_argument("--ranks", type=int, default=None, help="ranks (default: cpu 4, cuda 2)")
@@ -93,13 +76,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--collectives",
-        type=lambda t: _names(t, COLLECTIVES),
+        type=functools.partial(bench.name_list, allowed=COLLECTIVES),
         default=list(COLLECTIVES),
         help=f"comma list of {', '.join(COLLECTIVES)} (default all)",
     )
     p.add_argument(
         "--sizes",
-        type=_sizes,
+        type=bench.size_list,
         default=None,
         help="comma list of sizes (e.g. 4K,1M,64M; default 4 KiB to 64 MiB on cpu, to 1 GiB on cuda, x4 steps)",
     )
@@ -166,7 +149,7 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         "target_s": args.target_ms / 1e3,
         "baseline": not args.no_baseline,
         "trace": args.trace,
-        "port": _free_port(),
+        "port": bench.free_port(),
     }
 
 
@@ -200,22 +183,15 @@ def run(args: argparse.Namespace) -> int:
         {k: results[0][k] for k in ("device_name", "torch", "barrier_us", "barrier_mode", "baselines_failed")}
     )
     ok = _report(config, rows)
-    path = Path(args.json or f"bench-results/cco-{spec['device']}.json")
+    path = bench.json_path(args.json, f"cco-{spec['device']}")
     bench.write_json(path, "cco", config, rows)
     print(f"wrote {path}")
     if spec["trace"]:
         print(
             f"traces: {spec['trace']}/<collective>/rank*.mviz.npz (Triton kernels only; none on the host path)"
         )
-    if args.plot != "none":
-        _plot(Path(args.plot) if args.plot else path.with_suffix(".png"), config, rows)
+    _plot(bench.plot_path(args.plot, path), config, rows)
     return 0 if ok else 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- ranks ---------------------------------------------------------------------------------------------
@@ -230,14 +206,14 @@ def _rank_main(rank: int, nranks: int, uid: Any, spec: dict[str, Any]) -> dict[s
     cuda = spec["device"] == "cuda"
     init = f"tcp://127.0.0.1:{spec['port']}"
     if cuda:
-        torch.cuda.set_device(rank % spec["gpus"])
+        bench.gpu_per_rank(rank, nranks, spec["gpus"])
         dev = torch.device("cuda", torch.cuda.current_device())
         # NCCL refuses two ranks on one GPU (and its watchdog may then abort the process)
         backend = "cpu:gloo,cuda:nccl" if spec["baseline"] and spec["gpus"] >= nranks else "gloo"
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=nranks)
     else:
         dev = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nranks))
+        torch.set_num_threads(bench.cpu_threads(nranks))
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=nranks)
     top = max(spec["sizes"])
     comm = Communicator.init(
@@ -259,9 +235,11 @@ def _rank_main(rank: int, nranks: int, uid: Any, spec: dict[str, Any]) -> dict[s
             got = timer.measure({"barrier": barrier})["barrier"]
             barrier_us, barrier_mode = bench.Stats.of(got["samples"]).median * 1e6, got["mode"]
         rows = []
+        progress = bench.Progress(SUITE, len(spec["collectives"]) * len(spec["sizes"]))
         for coll in spec["collectives"]:
-            rows.extend(_collective(rank, nranks, spec, coll, comm, dev, timer))
-        name = torch.cuda.get_device_name(dev) if cuda else f"cpu ({os.cpu_count()} cores)"
+            rows.extend(_collective(rank, nranks, spec, coll, comm, dev, timer, progress))
+        progress.close()
+        name = bench.device_name(dev)
         return {
             "rows": rows,
             "device_name": name,
@@ -304,56 +282,28 @@ class _Timer:
         for name, fn in fns.items():
             # a warm call's time (the fastest of three after one), the same on every rank
             fn()
-            best = float("inf")
-            for _ in range(3):
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                best = min(best, time.perf_counter() - t0)
+            best = min(bench.time_samples(fn, iters=3, warmup=0, before=dist.barrier))
             once = self._max([best])[0]
             reps[name] = max(1, min(10000, int(spec["target_s"] / max(once, 1e-7))))
-        samples: dict[str, list[float]] = {name: [] for name in fns}
-        for i in range(spec["warmup"] + spec["iters"]):
-            for name, fn in fns.items():
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(reps[name]):
-                    fn()
-                dt = (time.perf_counter() - t0) / reps[name]
-                if i >= spec["warmup"]:
-                    samples[name].append(self._max([dt])[0])
+        samples = bench.time_interleaved(
+            fns,
+            iters=spec["iters"],
+            warmup=spec["warmup"],
+            reps=reps,
+            before=dist.barrier,
+            sample=lambda dt: self._max([dt])[0],
+        )
         return {
             name: {"samples": samples[name], "mode": f"wall clock around {reps[name]} host-blocking calls"}
             for name in fns
         }
 
     def _gpu(self, fns: dict[str, Callable[[], object]]) -> dict[str, dict[str, Any]]:
-        import torch
-        import torch.distributed as dist
-
         spec, reps = self.spec, self.spec["reps"]
         plans: dict[str, tuple[Any, str]] = {}
         for name, fn in fns.items():
-            graph: Any = None
-            error = ""
-            try:
-                side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    fn()  # compile and load outside the capture
-                torch.cuda.current_stream().wait_stream(side)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    for _ in range(reps):
-                        fn()
-            except Exception as e:
-                graph = None
-                error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-            torch.cuda.synchronize()
-            flag = torch.tensor([0 if graph is None else 1], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            if flag.item():
+            graph, error = bench.capture_graph(fn, reps)
+            if bench.agree(graph is not None):
                 plans[name] = (graph, f"CUDA graph of {reps} calls, replayed between CUDA events")
             else:
                 plans[name] = (
@@ -364,21 +314,20 @@ class _Timer:
         for i in range(spec["warmup"] + spec["iters"]):
             for name, fn in fns.items():
                 graph = plans[name][0]
+
+                def once(graph: Any = graph, fn: Callable[[], object] = fn) -> None:
+                    if graph is not None:
+                        graph.replay()
+                    else:
+                        for _ in range(reps):
+                            fn()
+
                 self.comm.barrier()
                 if self.device_barrier is not None:
                     self.device_barrier()  # the ranks start together, on the device
-                a = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                b = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                a.record()
-                if graph is not None:
-                    graph.replay()
-                else:
-                    for _ in range(reps):
-                        fn()
-                b.record()
-                torch.cuda.synchronize()
+                dt = bench.time_cuda(once, reps)
                 if i >= spec["warmup"]:
-                    samples[name].append(self._max([a.elapsed_time(b) / 1e3 / reps])[0])
+                    samples[name].append(self._max([dt])[0])
         return {name: {"samples": samples[name], "mode": plans[name][1]} for name in fns}
 
 
@@ -394,7 +343,14 @@ def _pattern(rank: int, numel: int, dtype: Any, dev: Any) -> Any:
 
 
 def _collective(
-    rank: int, n: int, spec: dict[str, Any], coll: str, comm: Any, dev: Any, timer: _Timer
+    rank: int,
+    n: int,
+    spec: dict[str, Any],
+    coll: str,
+    comm: Any,
+    dev: Any,
+    timer: _Timer,
+    progress: bench.Progress,
 ) -> list[dict[str, Any]]:
     import torch
     import torch.distributed as dist
@@ -426,6 +382,8 @@ def _collective(
         )
     try:
         for size in spec["sizes"]:
+            if rank == 0:
+                progress.step(f"{coll} {bench.human_bytes(size)}")
             es = dtype.itemsize
             in_numel = {"allreduce": size // es, "allgather": size // es // n, "alltoall": size // es}[coll]
             out_numel = {"allreduce": size // es, "allgather": size // es, "alltoall": size // es}[coll]
@@ -557,21 +515,18 @@ class _Unavailable:
 def _runnable(fns: dict[str, Callable[[], object]]) -> dict[str, Callable[[], object]]:
     """Keep the baselines that work on every rank (one trial call each, collectively agreed)."""
     import torch
-    import torch.distributed as dist
 
     out: dict[str, Callable[[], object]] = {}
     for name, fn in fns.items():
-        ok = 1
+        ok = True
         try:
             fn()
             if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
                 torch.cuda.synchronize()
         except Exception as e:
-            ok = 0
+            ok = False
             _Failed.reasons[name] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-        flag = torch.tensor([ok], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if flag.item():
+        if bench.agree(ok):
             out[name] = fn
         else:
             _Failed.reasons.setdefault(name, "failed on a peer")
@@ -592,8 +547,8 @@ def _stats(samples: list[float], size: int, factor: float) -> dict[str, Any]:
         "time_us": s.median * 1e6,
         "p10_us": s.p10 * 1e6,
         "p90_us": s.p90 * 1e6,
-        "algbw": size / s.median / 1e9,
-        "busbw": size / s.median / 1e9 * factor,
+        "algbw": bench.gbps(size, s.median),
+        "busbw": bench.gbps(size, s.median) * factor,
         "samples_us": [v * 1e6 for v in samples],
     }
 
@@ -660,7 +615,7 @@ def _report(config: dict[str, Any], rows: list[dict[str, Any]]) -> bool:
                     line += ["n/a", "n/a", "n/a"]
                     continue
                 s = _stats(t["samples"], r["size"], factor)
-                s["speedup"] = s["time_us"] / m["time_us"]
+                s["speedup"] = bench.speedup(m["time_us"], s["time_us"])
                 r["baselines"][b] = s
                 line += [f"{s['time_us']:.1f}", f"{s['busbw']:.2f}", f"{s['speedup']:.2f}"]
             if coll == "allreduce" and config.get("barrier_us"):
@@ -688,31 +643,25 @@ def _report(config: dict[str, Any], rows: list[dict[str, Any]]) -> bool:
     return ok
 
 
-def _plot(path: Path, config: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    try:
-        import matplotlib
+def _plot(path: Path | None, config: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """busbw against size per collective, mori and each baseline, to ``path`` (None: no plot)."""
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
-        return
-    colls = config["collectives"]
-    fig, axes = plt.subplots(1, len(colls), figsize=(5 * len(colls), 4), squeeze=False)
-    for ax, coll in zip(axes[0], colls, strict=True):
-        mine = [r for r in rows if r["collective"] == coll]
-        xs = [r["size"] for r in mine]
-        ax.plot(xs, [r["mori"]["busbw"] for r in mine], marker="o", label="mori")
-        for b in sorted({k for r in mine for k in r["baselines"]}):
-            ax.plot(
-                xs, [r["baselines"].get(b, {}).get("busbw", float("nan")) for r in mine], marker=".", label=b
-            )
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("size (bytes)")
-        ax.set_ylabel("busbw (GB/s)")
-        ax.set_title(f"{coll}, {config['ranks']} ranks, {config['device_name']}")
-        ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    print(f"wrote {path}")
+    def draw(plt: Any) -> Any:
+        colls = config["collectives"]
+        fig, axes = plt.subplots(1, len(colls), figsize=(5 * len(colls), 4), squeeze=False)
+        for ax, coll in zip(axes[0], colls, strict=True):
+            mine = [r for r in rows if r["collective"] == coll]
+            xs = [r["size"] for r in mine]
+            ax.plot(xs, [r["mori"]["busbw"] for r in mine], marker="o", label="mori")
+            for b in sorted({k for r in mine for k in r["baselines"]}):
+                busbw = [r["baselines"].get(b, {}).get("busbw", float("nan")) for r in mine]
+                ax.plot(xs, busbw, marker=".", label=b)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("size (bytes)")
+            ax.set_ylabel("busbw (GB/s)")
+            ax.set_title(f"{coll}, {config['ranks']} ranks, {config['device_name']}")
+            ax.legend()
+        fig.tight_layout()
+        return fig
+
+    bench.draw_plot(path, draw, dpi=100)

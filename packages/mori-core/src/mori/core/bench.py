@@ -1,8 +1,24 @@
-"""What every ``mori bench`` suite shares: the suite contract, statistics and the JSON record.
+"""The toolkit every ``mori bench`` suite shares: options, placement, timers, statistics, the
+baseline ratio, the JSON record, the table, the plot and the progress line.
 
 A suite measures its component and, in the same run, the baseline a user would pick instead,
 and reports the ratio. Results are medians with their spread (min, p10, p90, max), never a mean
-of a noisy distribution alone.
+of a noisy distribution alone. A suite module keeps its workload (what it runs, its figures and
+their formulas); how options are parsed, how a call is timed, how a record, a table or a plot is
+written lives here once, so every suite does it the same way.
+
+* options: :func:`size_list` (``"4K,1M"``), :func:`int_list`, :func:`name_list`, and
+  :func:`json_path` / :func:`plot_path` (``--plot none`` means no plot, in every suite);
+* placement: :func:`free_port`, :func:`cpu_threads`, :func:`gpu_per_rank`, :func:`device_name`,
+  :func:`agree`;
+* timers: :func:`time_samples`, :func:`time_interleaved`, :func:`time_transfers` and
+  :func:`time_pipelined` (host clock), :func:`capture_graph` and :func:`time_cuda` (CUDA graphs
+  and events);
+* statistics: :class:`Stats`, :func:`percentile`, :func:`slowest`, :func:`spread`, :func:`gbps`;
+* the baseline: :func:`speedup`, :func:`untrusted`, :func:`compare` and :func:`ratio_notes`;
+* output: :func:`write_json` (git sha, machine, config, rows), :func:`format_table`,
+  :func:`format_row`, :func:`markdown_table`, :func:`human_bytes`, :func:`draw_plot`, and
+  :class:`Progress` (a progress line on a terminal, silent otherwise).
 """
 
 from __future__ import annotations
@@ -11,15 +27,60 @@ import argparse
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from mori.core.errors import MoriValueError
+
+__all__ = [
+    "CLIFF_LIMIT",
+    "FLOOR_LIMIT",
+    "SPREAD_LIMIT",
+    "BenchSuite",
+    "Progress",
+    "Ratio",
+    "Stats",
+    "agree",
+    "capture_graph",
+    "compare",
+    "cpu_threads",
+    "device_name",
+    "draw_plot",
+    "format_row",
+    "format_table",
+    "free_port",
+    "gbps",
+    "git_sha",
+    "gpu_per_rank",
+    "human_bytes",
+    "int_list",
+    "json_path",
+    "machine",
+    "markdown_table",
+    "name_list",
+    "percentile",
+    "plot_path",
+    "ratio_notes",
+    "size_list",
+    "slowest",
+    "speedup",
+    "spread",
+    "time_cuda",
+    "time_interleaved",
+    "time_pipelined",
+    "time_samples",
+    "time_transfers",
+    "untrusted",
+    "version",
+    "write_json",
+]
 
 
 @dataclass(frozen=True)
@@ -32,8 +93,254 @@ class BenchSuite:
     run: Callable[[argparse.Namespace], int]
 
 
+# -- options -----------------------------------------------------------------------------------------
+
+
+def _items(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def size_list(text: str) -> list[int]:
+    """``"4K,1M,64M"`` -> byte counts (binary suffixes, :func:`mori.core.env.parse_size`), for an
+    argparse ``type=``. At least one; a bad item is an :class:`argparse.ArgumentTypeError` naming it."""
+    from mori.core.env import parse_size
+
+    try:
+        out = [parse_size(x) for x in _items(text)]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected at least one size")
+    return out
+
+
+def int_list(text: str, *, minimum: int | None = None) -> list[int]:
+    """``"1,32,128"`` -> integers, for an argparse ``type=`` (with ``minimum``:
+    ``functools.partial(int_list, minimum=1)``). At least one, each ``>= minimum`` if given."""
+    try:
+        out = [int(x) for x in _items(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if minimum is not None and min(out) < minimum:
+        raise argparse.ArgumentTypeError(f"expected integers >= {minimum}, got {text!r}")
+    return out
+
+
+def name_list(text: str, allowed: Sequence[str], *, lower: bool = False) -> list[str]:
+    """``"bf16,fp8"`` -> names, each one of ``allowed`` (``lower``: compared in lower case), for an
+    argparse ``type=`` through ``functools.partial``. At least one."""
+    out = [x.lower() if lower else x for x in _items(text)]
+    if not out or any(x not in allowed for x in out):
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated subset of {','.join(allowed)}, got {text!r}"
+        )
+    return out
+
+
+def json_path(given: str | Path | None, default_name: str) -> Path:
+    """Where a suite writes its record: ``--json`` if given, else ``bench-results/NAME.json``
+    (``default_name`` without the extension, e.g. ``"ep-cpu"``; the directory is ignored by git)."""
+    return Path(given) if given else Path("bench-results") / f"{default_name}.json"
+
+
+def plot_path(given: str | Path | None, record: Path) -> Path | None:
+    """Where a suite draws its plot: ``--plot`` if given, else the record's path with ``.png``;
+    ``None`` for ``--plot none`` (no plot). The one place that reads the option's value."""
+    if given is None or str(given) == "":
+        return record.with_suffix(".png")
+    if str(given).lower() == "none":
+        return None
+    return Path(given)
+
+
+# -- placement ---------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a rendezvous the ranks of one run share)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_threads(nranks: int) -> int:
+    """torch threads per CPU rank when ``nranks`` ranks share the cores: an even share, at least 1."""
+    return max(1, (os.cpu_count() or 1) // nranks)
+
+
+def gpu_per_rank(rank: int, nranks: int, gpus: int | None = None) -> None:
+    """Put ``rank`` on GPU ``rank % gpus`` (default: every visible GPU); its signature is that of
+    a launcher's ``before_init``."""
+    import torch
+
+    torch.cuda.set_device(rank % (gpus or torch.cuda.device_count()))
+
+
+def device_name(dev: Any) -> str:
+    """The name a record gives a ``torch.device``: the GPU's name, or ``cpu (N cores)``."""
+    if getattr(dev, "type", dev) == "cuda":
+        import torch
+
+        return str(torch.cuda.get_device_name(dev))
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def agree(ok: bool) -> bool:
+    """True on every rank if ``ok`` is true on every rank. Collective over the default
+    ``torch.distributed`` group, through a CPU tensor (gloo, also where GPUs use NCCL)."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+# -- timers ------------------------------------------------------------------------------------------
+
+
+def time_samples(
+    fn: Callable[[], object],
+    *,
+    iters: int,
+    warmup: int,
+    reps: int = 1,
+    before: Callable[[], object] | None = None,
+) -> list[float]:
+    """Seconds per call of ``fn`` on the host clock (``perf_counter``): ``iters`` samples, each
+    the time of ``reps`` calls in a row divided by ``reps``, after ``warmup`` untimed calls.
+    ``before`` (a barrier, say) runs untimed ahead of every warmup call and every sample."""
+    for _ in range(warmup):
+        if before is not None:
+            before()
+        fn()
+    out = []
+    for _ in range(iters):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        out.append((time.perf_counter() - t0) / reps)
+    return out
+
+
+def time_interleaved(
+    fns: Mapping[str, Callable[[], object]],
+    *,
+    iters: int,
+    warmup: int,
+    reps: int | Mapping[str, int] = 1,
+    before: Callable[[], object] | None = None,
+    sample: Callable[[float], float] | None = None,
+) -> dict[str, list[float]]:
+    """Seconds per call of each of ``fns`` on the host clock, sample by sample in turn (so that
+    a change of the machine's load touches them all alike): ``warmup`` untimed rounds, then
+    ``iters`` timed ones. A sample is ``reps`` calls (per name if a mapping) divided by ``reps``;
+    ``before`` runs untimed ahead of each; ``sample`` maps each timed sample (e.g. the slowest
+    rank's, a collective every rank calls alike)."""
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(warmup + iters):
+        for name, fn in fns.items():
+            n = reps[name] if isinstance(reps, Mapping) else reps
+            if before is not None:
+                before()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            dt = (time.perf_counter() - t0) / n
+            if i >= warmup:
+                out[name].append(sample(dt) if sample is not None else dt)
+    return out
+
+
+def time_transfers(
+    post: Callable[[], Any], wait: Callable[[Any], None], iters: int
+) -> tuple[list[float], list[float]]:
+    """``iters`` stop-and-wait operations (``post()`` starts one and returns its handle,
+    ``wait(handle)`` returns when it is done): per iteration the latency (post until done) and
+    the post time (the call that starts it), in seconds, as two lists."""
+    lat, posts = [], []
+    clock = time.perf_counter
+    for _ in range(iters):
+        t0 = clock()
+        handle = post()
+        t1 = clock()
+        wait(handle)
+        t2 = clock()
+        posts.append(t1 - t0)
+        lat.append(t2 - t0)
+    return lat, posts
+
+
+def time_pipelined(
+    post: Callable[[], Any], wait: Callable[[Any], None], iters: int, *, wait_each: bool = True
+) -> float:
+    """Seconds for ``iters`` operations posted back to back (all in flight at once), then all
+    waited for: each handle, or with ``wait_each=False`` only the last (a wait that covers
+    everything before it, such as a device synchronize)."""
+    t0 = time.perf_counter()
+    handles = [post() for _ in range(iters)]
+    for h in handles if wait_each else handles[-1:]:
+        wait(h)
+    return time.perf_counter() - t0
+
+
+def capture_graph(fn: Callable[[], object], reps: int) -> tuple[Any, str]:
+    """``reps`` calls of ``fn`` captured in one CUDA graph: ``(graph, "")``, or ``(None, why)``
+    where capture fails. ``fn`` runs once first on a side stream (compile and load outside the
+    capture); the capture is ``thread_local`` (NCCL's watchdog thread may query events meanwhile)."""
+    import torch
+
+    try:
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call,unused-ignore]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            for _ in range(reps):
+                fn()
+    except Exception as e:  # the caller says why and times eagerly
+        torch.cuda.synchronize()
+        return None, f"{type(e).__name__}: {e}".splitlines()[0][:200]
+    torch.cuda.synchronize()
+    return graph, ""
+
+
+def time_cuda(run: Callable[[], object], calls: int) -> float:
+    """Seconds per call of one ``run()`` that makes ``calls`` calls (a graph replay, or a loop),
+    between two CUDA events on the current stream; synchronises the device."""
+    import torch
+
+    a = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call,unused-ignore]
+    b = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call,unused-ignore]
+    a.record()
+    run()
+    b.record()
+    torch.cuda.synchronize()
+    return float(a.elapsed_time(b)) / 1e3 / calls
+
+
+# -- statistics --------------------------------------------------------------------------------------
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (``0 <= q <= 1``) of ``samples``: a value that occurred."""
+    s = sorted(samples)
+    if not s:
+        raise ValueError("no samples")
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
 @dataclass(frozen=True)
 class Stats:
+    """Median and spread of one point's samples (same unit as the samples)."""
+
     median: float
     min: float
     p10: float
@@ -46,11 +353,45 @@ class Stats:
         s = sorted(samples)
         if not s:
             raise ValueError("no samples")
+        return cls(statistics.median(s), s[0], percentile(s, 0.1), percentile(s, 0.9), s[-1], len(s))
 
-        def pct(q: float) -> float:
-            return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+    def us(self) -> dict[str, Any]:
+        """The figures in microseconds (samples in seconds): median, p10, p90, min, max and n."""
+        return {
+            "median": self.median * 1e6,
+            "p10": self.p10 * 1e6,
+            "p90": self.p90 * 1e6,
+            "min": self.min * 1e6,
+            "max": self.max * 1e6,
+            "n": self.n,
+        }
 
-        return cls(statistics.median(s), s[0], pct(0.1), pct(0.9), s[-1], len(s))
+
+def slowest(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Sample ``i`` = the slowest rank's sample ``i`` (``per_rank[r]``: rank ``r``'s samples, taken
+    together): a collective is done when its last rank is."""
+    return [max(s) for s in zip(*per_rank, strict=True)]
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """``{"median", "min", "max"}`` of a few repetitions' figures."""
+    if not values:
+        raise ValueError("no values")
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    """GB/s with GB = 1e9 bytes."""
+    return nbytes / seconds / 1e9
+
+
+# -- the baseline ------------------------------------------------------------------------------------
+
+
+def speedup(ours_s: float, baseline_s: float) -> float:
+    """The ratio a suite reports: the baseline's time over ours, which is our rate over the
+    baseline's (> 1: we are faster)."""
+    return baseline_s / ours_s
 
 
 #: p90 / p10 of one point's samples above this: they disagree (a busy machine), the median is luck
@@ -103,16 +444,53 @@ def untrusted(sizes: Sequence[int], stats: Sequence[Stats], what: str) -> list[s
     return out
 
 
-def time_samples(fn: Callable[[], object], *, iters: int, warmup: int) -> list[float]:
-    """Seconds per call of ``fn``, one sample per call, after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
+@dataclass(frozen=True)
+class Ratio:
+    """One point's comparison with its baseline: :func:`speedup` of the medians, or ``None`` with
+    the reasons (``off``) where either measurement is clearly off (:func:`untrusted`)."""
+
+    value: float | None
+    off: list[str]
+
+
+def compare(
+    sizes: Sequence[int],
+    ours: Sequence[Stats],
+    baseline: Sequence[Stats],
+    *,
+    ours_what: str,
+    baseline_what: str,
+) -> list[Ratio]:
+    """A sweep against its baseline, point by point (``sizes`` ascending, seconds per call): the
+    ratio where both points can be trusted, else no ratio and why (``ours_what`` and
+    ``baseline_what`` name the two measurements in the reasons)."""
+    ours_off = untrusted(sizes, ours, ours_what)
+    base_off = untrusted(sizes, baseline, baseline_what)
     out = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
+    for o, b, *why in zip(ours, baseline, ours_off, base_off, strict=True):
+        off = [w for w in why if w is not None]
+        out.append(Ratio(None if off else speedup(o.median, b.median), off))
     return out
+
+
+def ratio_notes(labels: Sequence[str], ratios: Sequence[Ratio], *, more: str) -> list[str]:
+    """The notes under a table for the points without a ratio (``labels[i]`` names point ``i``):
+    one per such point, then how many and what to do (``more``: the option that takes more
+    samples). Empty when every point has its ratio."""
+    notes = [
+        f"* {label}: no ratio, " + "; ".join(r.off)
+        for label, r in zip(labels, ratios, strict=True)
+        if r.value is None
+    ]
+    if notes:
+        notes.append(
+            f"{len(notes)} point(s) without a ratio: a measurement clearly off is not a result; run again "
+            f"on a quieter machine (or with more {more})"
+        )
+    return notes
+
+
+# -- the record --------------------------------------------------------------------------------------
 
 
 def git_sha() -> str:
@@ -137,6 +515,7 @@ def git_sha() -> str:
 
 
 def machine() -> dict[str, Any]:
+    """The record's ``machine``: host name, CPU, cores and Python version."""
     return {
         "host": platform.node(),
         "cpu": platform.processor() or platform.machine(),
@@ -145,8 +524,18 @@ def machine() -> dict[str, Any]:
     }
 
 
+def version(dist: str) -> str:
+    """The installed version of distribution ``dist``, or ``"not installed"`` (for a baseline's)."""
+    import importlib.metadata as md
+
+    try:
+        return md.version(dist)
+    except Exception:
+        return "not installed"
+
+
 def write_json(path: str | Path, suite: str, config: dict[str, Any], rows: list[dict[str, Any]]) -> Path:
-    """Write a result record: git sha, machine, config and every row."""
+    """Write a result record: suite, git sha, time, machine, config and every row."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {
@@ -161,16 +550,100 @@ def write_json(path: str | Path, suite: str, config: dict[str, Any], rows: list[
     return out
 
 
+# -- tables, plots, progress -------------------------------------------------------------------------
+
+
+def format_row(cells: Sequence[object], widths: Sequence[int]) -> str:
+    """One table line: each cell right-aligned to its width, two spaces between."""
+    return "  ".join(str(c).rjust(w) for c, w in zip(cells, widths, strict=True))
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain-text table: the headers, a rule, the rows; columns as wide as their widest cell."""
     cells = [[str(h) for h in headers], *[[str(c) for c in r] for r in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    lines = [format_row(row, widths) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """The same table in Markdown (for a page of ``docs/benchmarks``)."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
 def human_bytes(n: int) -> str:
+    """``4096`` -> ``"4 KiB"``; a count that is no whole number of KiB stays in bytes."""
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size and n % size == 0:
             return f"{n // size} {unit}"
     return f"{n} B"
+
+
+def draw_plot(path: Path | None, draw: Callable[[Any], Any], *, dpi: int = 120) -> bool:
+    """Draw a suite's plot to ``path`` (``None``: no plot, see :func:`plot_path`): ``draw`` gets
+    ``matplotlib.pyplot`` (Agg backend) and returns the figure, which is saved and closed; says
+    ``wrote PATH``. False without a path, or, with a message, without matplotlib."""
+    if path is None:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return False
+    fig = draw(plt)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    plt.close(fig)
+    print(f"wrote {path}")
+    return True
+
+
+class Progress:
+    """A progress line for a person watching: on a terminal (``stream.isatty()``, default
+    ``sys.stderr``) each :meth:`step` rewrites one line in place; elsewhere (CI, a pipe, a file)
+    nothing is written, so logs and records stay as they were. A context manager; leaving it
+    clears the line.
+
+    ``suite`` starts the line (``mori bench ep``); ``total``, if known, is the number of steps.
+    """
+
+    def __init__(self, suite: str, total: int | None = None, *, stream: TextIO | None = None) -> None:
+        self.suite, self.total, self.done = suite, total, 0
+        self.stream = stream if stream is not None else sys.stderr
+        isatty = getattr(self.stream, "isatty", None)
+        self.on = bool(isatty()) if callable(isatty) else False
+        self._width = 0
+
+    def _write(self, text: str) -> None:
+        pad = max(0, self._width - len(text))
+        self.stream.write("\r" + text + " " * pad)
+        self.stream.flush()
+        self._width = len(text)
+
+    def step(self, what: str) -> None:
+        """Count one step and show ``what`` is being measured now."""
+        self.done += 1
+        if not self.on:
+            return
+        count = f"{self.done}/{self.total}" if self.total else str(self.done)
+        self._write(f"{self.suite}: [{count}] {what}")
+
+    def close(self) -> None:
+        """Clear the line (on a terminal)."""
+        if self.on and self._width:
+            self._write("")
+            self.stream.write("\r")
+            self.stream.flush()
+            self._width = 0
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mori.core import bench
@@ -28,9 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--sizes",
-        type=lambda s: [int(x) for x in s.split(",")],
+        type=bench.size_list,
         default=None,
-        help="comma-separated byte sizes (default: cpu 8 B to 64 MiB by 2x; cuda 8 B to 256 MiB)",
+        help="comma-separated byte sizes, e.g. 4K,1M (default: cpu 8 B to 64 MiB by 2x; cuda 8 B to 256 MiB)",
     )
     p.add_argument(
         "--samples", type=int, default=15, help="timed samples per size (median and spread over them)"
@@ -41,21 +42,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="where to write the JSON record (default bench-results/shmem-DEVICE.json)",
     )
+    p.add_argument(
+        "--plot",
+        default=None,
+        help="cuda: where to draw the plot (default: the JSON path with .png; 'none' for no plot; needs "
+        "matplotlib); the cpu run draws none",
+    )
 
 
-def _time_per_call(fn: Any, size: int, samples: int) -> list[float]:
+def _time_per_call(fn: Callable[[], object], size: int, samples: int) -> list[float]:
     # Repeat short calls so one sample lasts about a millisecond or more; the timer's own cost
     # then stays below 1%.
     reps = max(1, min(2000, (1 << 21) // max(size, 1)))
-    for _ in range(max(2, reps // 4)):
-        fn()
-    out = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        out.append((time.perf_counter() - t0) / reps)
-    return out
+    return bench.time_samples(fn, iters=samples, warmup=max(2, reps // 4), reps=reps)
 
 
 def _rank(rank: int, nranks: int, sizes: list[int], samples: int, pingpongs: int) -> dict[str, Any]:
@@ -73,10 +72,20 @@ def _rank(rank: int, nranks: int, sizes: list[int], samples: int, pingpongs: int
     if rank == 0:
         a = torch.full((max_size,), 7, dtype=torch.uint8)
         b = torch.empty_like(a)
+        progress = bench.Progress("mori bench shmem", len(sizes))
         for size in sizes:
-            put = _time_per_call(lambda size=size: shmem.shmem_putmem(dst, src, size, 1), size, samples)
-            copy = _time_per_call(lambda size=size: b[:size].copy_(a[:size]), size, samples)
+            progress.step(f"put and copy_ of {bench.human_bytes(size)}")
+
+            def put_(size: int = size) -> None:
+                shmem.shmem_putmem(dst, src, size, 1)
+
+            def copy_(size: int = size) -> None:
+                b[:size].copy_(a[:size])
+
+            put = _time_per_call(put_, size, samples)
+            copy = _time_per_call(copy_, size, samples)
             result["rows"].append({"size": size, "put_s": put, "copy_s": copy})
+        progress.close()
     shmem.shmem_barrier_all()
     if rank == 1:  # the last put landed, bytes exact
         got = shmem.shmem_tensor_view(dst, max(sizes), torch.uint8)
@@ -109,26 +118,20 @@ def summarise(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[li
     sizes = [row["size"] for row in rows]
     puts = [bench.Stats.of(row["put_s"]) for row in rows]
     copies = [bench.Stats.of(row["copy_s"]) for row in rows]
-    put_off = bench.untrusted(sizes, puts, "put")
-    copy_off = bench.untrusted(sizes, copies, "copy_ baseline")
+    ratios = bench.compare(sizes, puts, copies, ours_what="put", baseline_what="copy_ baseline")
     rows_out: list[dict[str, Any]] = []
     table: list[list[str]] = []
-    notes: list[str] = []
-    for size, put, copy, *why in zip(sizes, puts, copies, put_off, copy_off, strict=True):
-        put_gbs, copy_gbs = size / put.median / 1e9, size / copy.median / 1e9
-        off = [w for w in why if w is not None]
-        ratio = None if off else put_gbs / copy_gbs
-        if off:
-            notes.append(f"* {bench.human_bytes(size)}: no ratio, " + "; ".join(off))
+    for size, put, copy, ratio in zip(sizes, puts, copies, ratios, strict=True):
+        put_gbs, copy_gbs = bench.gbps(size, put.median), bench.gbps(size, copy.median)
         rows_out.append(
             {
                 "size": size,
                 "put_gbps": put_gbs,
-                "put_gbps_p10_p90": [size / put.p90 / 1e9, size / put.p10 / 1e9],
+                "put_gbps_p10_p90": [bench.gbps(size, put.p90), bench.gbps(size, put.p10)],
                 "copy_gbps": copy_gbs,
-                "copy_gbps_p10_p90": [size / copy.p90 / 1e9, size / copy.p10 / 1e9],
-                "ratio": ratio,
-                "off": off,
+                "copy_gbps_p10_p90": [bench.gbps(size, copy.p90), bench.gbps(size, copy.p10)],
+                "ratio": ratio.value,
+                "off": ratio.off,
                 "put_us_median": put.median * 1e6,
                 "copy_us_median": copy.median * 1e6,
                 "samples": put.n,
@@ -139,22 +142,18 @@ def summarise(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[li
                 bench.human_bytes(size),
                 f"{put.median * 1e6:.2f}",
                 f"{put_gbs:.2f}",
-                f"{size / put.p90 / 1e9:.2f}-{size / put.p10 / 1e9:.2f}",
+                f"{bench.gbps(size, put.p90):.2f}-{bench.gbps(size, put.p10):.2f}",
                 f"{copy_gbs:.2f}",
-                f"{size / copy.p90 / 1e9:.2f}-{size / copy.p10 / 1e9:.2f}",
-                "off*" if ratio is None else f"{ratio:.2f}",
+                f"{bench.gbps(size, copy.p90):.2f}-{bench.gbps(size, copy.p10):.2f}",
+                "off*" if ratio.value is None else f"{ratio.value:.2f}",
             ]
         )
-    if notes:
-        notes.append(
-            f"{len(notes)} point(s) without a ratio: a measurement clearly off is not a result; run again "
-            f"on a quieter machine (or with more --samples)"
-        )
+    notes = bench.ratio_notes([bench.human_bytes(s) for s in sizes], ratios, more="--samples")
     return rows_out, table, notes
 
 
 def run(args: argparse.Namespace) -> int:
-    args.json = args.json or f"bench-results/shmem-{args.device}.json"
+    args.json = bench.json_path(args.json, f"shmem-{args.device}")
     if args.device == "cuda":
         from mori.shmem import bench_gpu
 

@@ -25,6 +25,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from mori.core import bench
 from mori.core.kernels import aot
 from mori.shmem import device as shd
 
@@ -78,15 +79,7 @@ def _graph_time(fn: Any, reps_in_graph: int, replays: int) -> list[float]:
             fn()
     g.replay()
     torch.cuda.synchronize()
-    out = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3 / reps_in_graph)
-    return out
+    return [bench.time_cuda(g.replay, reps_in_graph) for _ in range(replays)]
 
 
 def _eager_time(fn: Any, reps: int, replays: int) -> list[float]:
@@ -99,22 +92,16 @@ def _eager_time(fn: Any, reps: int, replays: int) -> list[float]:
 
     fn()
     torch.cuda.synchronize()
-    out = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+
+    def calls() -> None:
         for _ in range(reps):
             fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / 1e3 / reps)
-    return out
+
+    return [bench.time_cuda(calls, reps) for _ in range(replays)]
 
 
-def set_device(rank: int, nranks: int) -> None:
-    import torch
-
-    torch.cuda.set_device(rank % torch.cuda.device_count())
+#: one GPU per rank (the launcher's ``before_init``)
+set_device = bench.gpu_per_rank
 
 
 def rank_main(rank: int, nranks: int, sizes: list[int], replays: int) -> dict[str, Any]:
@@ -160,12 +147,11 @@ def rank_main(rank: int, nranks: int, sizes: list[int], replays: int) -> dict[st
     ctx = shd.shmem_device_context()
     for run in range(5):
         shmem.shmem_barrier_all()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        pingpong_kernel[(1,)](buf, sig, ctx, iters, run * iters, INITIATOR=(rank == 0))
-        b.record()
-        b.synchronize()
-        rtts.append(a.elapsed_time(b) / 1e3 / iters)
+
+        def bounce(start: int = run * iters) -> None:
+            pingpong_kernel[(1,)](buf, sig, ctx, iters, start, INITIATOR=(rank == 0))
+
+        rtts.append(bench.time_cuda(bounce, iters))
     out["rtt_s"] = rtts[1:]
     # barrier: latency in a graph, then 1000 replays checked
     shmem.shmem_barrier_all()
@@ -240,11 +226,7 @@ def run_gpu(args: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         raise SystemExit("mori bench shmem --device cuda: no CUDA device visible")
     sizes = sorted(set(args.sizes or SIZES))
     heap = 2 * max(sizes) + (64 << 20)
-    import socket
-
-    with socket.socket() as sock:  # for the torch.distributed group of the symm_mem baseline
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = bench.free_port()  # for the torch.distributed group of the symm_mem baseline
     env = {
         "MORI_DEVICE_RUNTIME": os.environ.get("MORI_DEVICE_RUNTIME", "auto"),
         "CUDA_MODULE_LOADING": "EAGER",
@@ -259,10 +241,9 @@ def run_gpu(args: Any) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def report(args: Any, r0: dict[str, Any], r1: dict[str, Any]) -> int:
     """Print the tables, write the JSON record (and a plot if matplotlib is there)."""
-    from mori.core import bench
 
     def gbps(size: int, samples: list[float]) -> float:
-        return size / statistics.median(samples) / 1e9
+        return bench.gbps(size, statistics.median(samples))
 
     rows_out: list[dict[str, Any]] = []
     table = []
@@ -349,19 +330,11 @@ def report(args: Any, r0: dict[str, Any], r1: dict[str, Any]) -> int:
         [*rows_out, *extra],
     )
     print(f"wrote {path}")
-    _plot(path.with_suffix(".png"), rows_out)
+    bench.draw_plot(bench.plot_path(args.plot, path), lambda plt: _plot(plt, rows_out))
     return 0 if r1["verified"] and replays == (1000, 1000) else 1
 
 
-def _plot(path: Any, rows: list[dict[str, Any]]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
-        return
+def _plot(plt: Any, rows: list[dict[str, Any]]) -> Any:
     sizes = [r["size"] for r in rows]
     fig, ax = plt.subplots(figsize=(8, 5))
     ax.plot(sizes, [r["torch_peer_copy_gbps"] for r in rows], "k--", label="torch peer copy (baseline)")
@@ -374,5 +347,4 @@ def _plot(path: Any, rows: list[dict[str, Any]]) -> None:
     ax.set_title("mori.shmem put bandwidth, GPU 0 -> GPU 1")
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    print(f"wrote {path}")
+    return fig

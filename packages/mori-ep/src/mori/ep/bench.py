@@ -53,17 +53,14 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import socket
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mori.core import bench
-from mori.core.bench import BenchSuite
-from mori.core.env import EnvVar
+from mori.core.bench import gbps
 from mori.core.errors import bad_value
-from mori.core.plugins import hookimpl
 
 if TYPE_CHECKING:
     import torch
@@ -77,7 +74,6 @@ __all__ = [
     "bytes_original",
     "dequantise_fp8",
     "gbps",
-    "mori_bench_suites",
     "quantise_fp8",
     "random_routing",
     "recv_rows",
@@ -105,42 +101,11 @@ RTOL, ATOL = 2e-2, 2e-2
 FP8_WIRE_TOL = 1e-1
 
 
-# -- the ``mori bench ep`` suite ----------------------------------------------------------------------
+# -- the ``mori bench ep`` suite (registered by :mod:`mori.ep.cli`) --------------------------------------
 
 
-@hookimpl
-def mori_bench_suites() -> Sequence[BenchSuite]:
-    return [BenchSuite("ep", __doc__.splitlines()[0] if __doc__ else "", add_arguments, run)]
-
-
-@hookimpl
-def mori_env_vars() -> Sequence[EnvVar[Any]]:
-    from mori.ep import deepep, internode, tuning
-
-    return [
-        tuning.MORI_EP_LAUNCH_CONFIG_MODE,
-        tuning.MORI_EP_TUNING_CONFIG,
-        tuning.MORI_EP_PUSH_CHUNK,
-        deepep.MORI_EP_DEEPEP_RECV_VIEWS,
-        internode.MORI_NUM_QP_PER_PE,
-    ]
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _dtype_list(text: str) -> list[str]:
-    out = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in out if x not in DTYPES]
-    if bad or not out:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated subset of {','.join(DTYPES)}, got {text!r}"
-        )
-    return out
+#: ``--dtype``: mori.core.bench's list parser with this suite's dtypes
+_dtype_list = functools.partial(bench.name_list, allowed=DTYPES)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -154,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=2, help="expert-parallel ranks (default 2)")
     p.add_argument(
         "--tokens",
-        type=_int_list,
+        type=bench.int_list,
         default=None,
         help="comma-separated tokens per rank (default cuda 4096,128; cpu 512,128)",
     )
@@ -170,7 +135,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--sms",
-        type=_int_list,
+        type=bench.int_list,
         default=[-1],
         help="comma-separated block_num values given to dispatch and combine (one block per SM), so "
         "results compare at equal SM budgets; -1 = the op's default (default -1)",
@@ -244,7 +209,7 @@ def _check_args(args: argparse.Namespace) -> None:
     args.iters = args.iters if args.iters is not None else DEFAULT_ITERS[dev]
     args.warmup = args.warmup if args.warmup is not None else DEFAULT_WARMUP[dev]
     args.reps = args.reps if args.reps is not None else DEFAULT_REPS[dev]
-    args.json = args.json or f"bench-results/ep-{dev}.json"
+    args.json = bench.json_path(args.json, f"ep-{dev}")
 
     def positive(name: str, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -327,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
         if 0 < gpus < args.ranks:  # NCCL refuses two ranks of one communicator on one GPU
             spec["baseline"] = False
             spec["baseline_skipped"] = f"NCCL needs one GPU per rank; {args.ranks} ranks share {gpus} GPUs"
-    spec["port"] = _free_port()
+    spec["port"] = bench.free_port()
     results = _launch(spec, args.timeout)
     if spec["trace"]:
         _export_traces(spec)
@@ -335,12 +300,11 @@ def run(args: argparse.Namespace) -> int:
     verified = _report(spec, results, rows)
     config = {**spec, "device_name": results[0]["device_name"], "torch": results[0]["torch"]}
     if spec["device"] == "cpu":
-        config["torch_threads_per_rank"] = _cpu_threads(spec["ranks"])
+        config["torch_threads_per_rank"] = bench.cpu_threads(spec["ranks"])
     config.pop("port")
     path = bench.write_json(args.json, "ep", config, rows)
     print(f"wrote {path}")
-    if args.plot != "none":
-        _plot(args.plot or path.with_suffix(".png"), rows, config)
+    _plot(bench.plot_path(args.plot, path), rows, config)
     return 0 if verified else 1
 
 
@@ -360,11 +324,6 @@ def _export_traces(spec: dict[str, Any]) -> None:
 
 
 # -- formulas -------------------------------------------------------------------------------------------
-
-
-def gbps(nbytes: float, seconds: float) -> float:
-    """GB/s with GB = 1e9 bytes."""
-    return nbytes / seconds / 1e9
 
 
 def bytes_original(rows: int, hidden: int, elem_size: int) -> int:
@@ -533,29 +492,12 @@ def a2a_combine(y: torch.Tensor, layout: A2ALayout, num_tokens: int, *, group: A
 # -- ranks ---------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _heap_bytes(spec: dict[str, Any]) -> int:
     """Symmetric heap per rank: every op of the run (one per tokens x dtype), with room to spare."""
     w, h, k = spec["ranks"], spec["hidden"], spec["topk"]
     per_row = h * 2 + (h // FP8_BLOCK) * 4 + 4 * k * 4 + 64
     rows = sum(w * t for t in spec["tokens"]) * len(spec["dtype"])
     return int(2 * 4 * rows * per_row + (256 << 20))
-
-
-def _cpu_threads(nranks: int) -> int:
-    """torch threads per CPU rank: the cores divided evenly, at least one."""
-    return max(1, (os.cpu_count() or 1) // nranks)
-
-
-def _set_device(rank: int, nranks: int) -> None:
-    import torch
-
-    torch.cuda.set_device(rank % torch.cuda.device_count())
 
 
 def _launch(spec: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
@@ -571,7 +513,13 @@ def _launch(spec: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
         env["MORI_DEVICE_RUNTIME"] = os.environ.get("MORI_DEVICE_RUNTIME", "cuda")
         env["CUDA_MODULE_LOADING"] = os.environ.get("CUDA_MODULE_LOADING", "EAGER")
         return shmem_ranks(
-            _rank_main, spec["ranks"], spec, heap=heap, timeout=timeout, env=env, before_init=_set_device
+            _rank_main,
+            spec["ranks"],
+            spec,
+            heap=heap,
+            timeout=timeout,
+            env=env,
+            before_init=bench.gpu_per_rank,
         )
     env["MORI_DEVICE_RUNTIME"] = "cpu"
     split = functools.partial(_set_node, spec["ranks"] // spec["nodes"]) if spec["nodes"] > 1 else None
@@ -601,11 +549,18 @@ def _rank_main(rank: int, nranks: int, spec: dict[str, Any]) -> dict[str, Any]:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=nranks)
     else:
         # ranks share the cores: one share each, so torch's thread pools do not oversubscribe them
-        torch.set_num_threads(_cpu_threads(nranks))
+        torch.set_num_threads(bench.cpu_threads(nranks))
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=nranks)
     try:
-        cases = [_case(rank, nranks, spec, t, d, dev) for t in spec["tokens"] for d in spec["dtype"]]
-        name = torch.cuda.get_device_name(dev) if cuda else f"cpu ({os.cpu_count()} cores)"
+        progress = bench.Progress("mori bench ep", len(spec["tokens"]) * len(spec["dtype"]))
+        cases = []
+        for t in spec["tokens"]:
+            for d in spec["dtype"]:
+                if rank == 0:
+                    progress.step(f"{t} tokens, {d} dispatch")
+                cases.append(_case(rank, nranks, spec, t, d, dev))
+        progress.close()
+        name = bench.device_name(dev)
         from mori.shmem.context import current
 
         network = current("mori bench ep").network
@@ -622,15 +577,6 @@ class _Timer:
         self.cuda = dev.type == "cuda"
         self.reps, self.iters, self.warmup = spec["reps"], spec["iters"], spec["warmup"]
         self.dev = dev
-
-    def _all(self, ok: bool) -> bool:
-        """True on every rank if ``ok`` on every rank (collective)."""
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)  # on gloo, also on GPUs
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
 
     def _barrier(self) -> None:
         import mori.shmem as shmem
@@ -649,24 +595,8 @@ class _Timer:
         graph: Any = None
         mode = f"eager, CUDA events around {reps} calls" + (f" ({why_eager})" if why_eager else "")
         if capture:
-            error = ""
-            try:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    fn()  # compile and load outside the capture
-                torch.cuda.current_stream().wait_stream(side)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: NCCL's watchdog thread may query events while we capture
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    for _ in range(reps):
-                        fn()
-            except Exception as e:  # say why, then time eagerly on every rank
-                graph = None
-                error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-            torch.cuda.synchronize()
-            if self._all(graph is not None):
+            graph, error = bench.capture_graph(fn, reps)
+            if bench.agree(graph is not None):
                 mode = f"CUDA graph of {reps} calls, replayed between CUDA events"
             else:
                 graph = None
@@ -688,25 +618,13 @@ class _Timer:
         samples = []
         for _ in range(self.iters):
             self._barrier()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            once()
-            b.record()
-            torch.cuda.synchronize()
-            samples.append(a.elapsed_time(b) / 1e3 / reps)
+            samples.append(bench.time_cuda(once, reps))
         return {"samples": samples, "mode": mode}
 
     def _wall(self, fn: Callable[[], object]) -> dict[str, Any]:
-        for _ in range(self.warmup):
-            self._barrier()
-            fn()
-        samples = []
-        for _ in range(self.iters):
-            self._barrier()
-            t0 = time.perf_counter()
-            for _ in range(self.reps):
-                fn()
-            samples.append((time.perf_counter() - t0) / self.reps)
+        samples = bench.time_samples(
+            fn, iters=self.iters, warmup=self.warmup, reps=self.reps, before=self._barrier
+        )
         calls = "1 host-blocking call" if self.reps == 1 else f"{self.reps} host-blocking calls"
         return {"samples": samples, "mode": f"wall clock (perf_counter) around {calls}"}
 
@@ -868,21 +786,9 @@ def _baseline(
 # -- results ----------------------------------------------------------------------------------------------
 
 
-def _slowest(per_rank: Sequence[Sequence[float]]) -> list[float]:
-    """Sample i = the slowest rank's sample i (a collective is done when its last rank is)."""
-    return [max(s) for s in zip(*per_rank, strict=True)]
-
-
 def _lat(samples: Sequence[float]) -> dict[str, Any]:
-    st = bench.Stats.of(samples)
-    return {
-        "median": st.median * 1e6,
-        "p10": st.p10 * 1e6,
-        "p90": st.p90 * 1e6,
-        "min": st.min * 1e6,
-        "max": st.max * 1e6,
-        "n": st.n,
-    }
+    """Median, p10, p90, min, max (us) and n of per-call samples in seconds."""
+    return bench.Stats.of(samples).us()
 
 
 def _rows(spec: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -902,7 +808,7 @@ def _rows(spec: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str,
             for phase in ("dispatch", "combine"):
                 elem = 1 if (phase == "dispatch" and dtype == "fp8") else 2
                 meas = [c["ours"][si][phase] for c in per_rank]
-                samples = _slowest([m["samples"] for m in meas])
+                samples = bench.slowest([m["samples"] for m in meas])
                 medians = [statistics.median(m["samples"]) for m in meas]
                 b_orig = [bytes_original(r, hidden, elem) for r in rows]
                 b_dpe = [bytes_deepep(r, hidden, phase, dtype, scale_dim) for r in rows]
@@ -938,14 +844,18 @@ def _rows(spec: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str,
                     for f in ("rows", "bytes", "messages"):
                         row[f"inter_node_{f}_per_rank"] = [c["inter_node"][phase][f] for c in per_rank]
                 if f"{phase}_traced" in per_rank[0]["ours"][si]:
-                    traced = _lat(_slowest([c["ours"][si][f"{phase}_traced"]["samples"] for c in per_rank]))
+                    traced = _lat(
+                        bench.slowest([c["ours"][si][f"{phase}_traced"]["samples"] for c in per_rank])
+                    )
                     row["traced"] = {
                         "latency_us": traced,
                         "ratio": traced["median"] / row["latency_us"]["median"],
                     }
                 if all(b is not None for b in base):
                     row["baseline"] = _baseline_row(base, phase, base_name, b_dpe, row)
-                    row["ratio"] = row["baseline"]["latency_us"]["median"] / row["latency_us"]["median"]
+                    row["ratio"] = bench.speedup(
+                        row["latency_us"]["median"], row["baseline"]["latency_us"]["median"]
+                    )
                 out.append(row)
     return out
 
@@ -961,7 +871,7 @@ def _baseline_row(
         g = [gbps(b, t) for b, t in zip(b_dpe, medians, strict=True)]
         return {
             "timing": meas[0]["mode"],
-            "latency_us": _lat(_slowest([m["samples"] for m in meas])),
+            "latency_us": _lat(bench.slowest([m["samples"] for m in meas])),
             "gbps_deepep": sum(g) / len(g),
         }
 
@@ -1103,61 +1013,39 @@ def _report(spec: dict[str, Any], results: list[dict[str, Any]], rows: list[dict
     return verified and base_ok
 
 
-def _plot(path: Any, rows: list[dict[str, Any]], config: dict[str, Any]) -> None:
-    try:
-        import matplotlib
+def _plot(path: Path | None, rows: list[dict[str, Any]], config: dict[str, Any]) -> None:
+    """Latency and GB/s (DeepEP formula) per row, ours and the baseline's, to ``path`` (None: none)."""
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
-        return
-    labels = []
-    for r in rows:
-        run = "" if r["phase"] == "dispatch" else f"\n({r['dispatch_dtype']} run)"
-        sms = "" if r["sms"] == -1 else f"\n{r['sms']} SMs"
-        labels.append(f"{r['phase']}\n{r['tokens']} {r['dtype']}{run}{sms}")
-    xs = list(range(len(rows)))
-    has_base = all("baseline" in r for r in rows)
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, len(rows) * 1.1), 8))
-    width = 0.4 if has_base else 0.8
-    ax1.bar(
-        [x - width / 2 if has_base else x for x in xs],
-        [r["latency_us"]["median"] for r in rows],
-        width,
-        label="mori.ep",
-    )
-    if has_base:
-        ax1.bar(
-            [x + width / 2 for x in xs],
-            [r["baseline"]["latency_us"]["median"] for r in rows],
-            width,
-            label="all_to_all_single",
+    def draw(plt: Any) -> Any:
+        labels = []
+        for r in rows:
+            run = "" if r["phase"] == "dispatch" else f"\n({r['dispatch_dtype']} run)"
+            sms = "" if r["sms"] == -1 else f"\n{r['sms']} SMs"
+            labels.append(f"{r['phase']}\n{r['tokens']} {r['dtype']}{run}{sms}")
+        xs = list(range(len(rows)))
+        has_base = all("baseline" in r for r in rows)
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, len(rows) * 1.1), 8))
+        width = 0.4 if has_base else 0.8
+        ours_x = [x - width / 2 if has_base else x for x in xs]
+        base_x = [x + width / 2 for x in xs]
+        ax1.bar(ours_x, [r["latency_us"]["median"] for r in rows], width, label="mori.ep")
+        if has_base:
+            base_lat = [r["baseline"]["latency_us"]["median"] for r in rows]
+            ax1.bar(base_x, base_lat, width, label="all_to_all_single")
+        ax1.set_yscale("log")
+        ax1.set_ylabel("latency, median us")
+        ax2.bar(ours_x, [r["gbps_deepep"] for r in rows], width, label="mori.ep")
+        if has_base:
+            ax2.bar(base_x, [r["baseline"]["gbps_deepep"] for r in rows], width, label="all_to_all_single")
+        ax2.set_ylabel("GB/s (DeepEP logical formula)")
+        for ax in (ax1, ax2):
+            ax.set_xticks(xs)
+            ax.set_xticklabels(labels, fontsize=7)
+            ax.legend()
+            ax.grid(True, axis="y", alpha=0.3)
+        ax1.set_title(
+            f"mori bench ep: {config['ranks']} ranks, {config['device_name']}, hidden {config['hidden']}"
         )
-    ax1.set_yscale("log")
-    ax1.set_ylabel("latency, median us")
-    ax2.bar(
-        [x - width / 2 if has_base else x for x in xs],
-        [r["gbps_deepep"] for r in rows],
-        width,
-        label="mori.ep",
-    )
-    if has_base:
-        ax2.bar(
-            [x + width / 2 for x in xs],
-            [r["baseline"]["gbps_deepep"] for r in rows],
-            width,
-            label="all_to_all_single",
-        )
-    ax2.set_ylabel("GB/s (DeepEP logical formula)")
-    for ax in (ax1, ax2):
-        ax.set_xticks(xs)
-        ax.set_xticklabels(labels, fontsize=7)
-        ax.legend()
-        ax.grid(True, axis="y", alpha=0.3)
-    ax1.set_title(
-        f"mori bench ep: {config['ranks']} ranks, {config['device_name']}, hidden {config['hidden']}"
-    )
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    print(f"wrote {path}")
+        return fig
+
+    bench.draw_plot(path, draw)

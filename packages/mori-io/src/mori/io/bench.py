@@ -32,6 +32,7 @@ path is checked byte-exact first.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import glob
 import hashlib
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from mori.core import bench
+from mori.core.bench import time_pipelined, time_transfers
 from mori.core.env import parse_positive_float, parse_size
 from mori.core.errors import MoriError
 
@@ -70,31 +72,9 @@ class BenchPeerError(MoriError, RuntimeError):
     ``--timeout`` seconds. Its own error, if it printed one, is above this message."""
 
 
-def _sizes(text: str) -> list[int]:
-    try:
-        out = [parse_size(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
-    if not out:
-        raise argparse.ArgumentTypeError("expected at least one size")
-    return out
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated whole numbers") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected whole numbers >= 1")
-    return out
-
-
-def _ops(text: str) -> list[str]:
-    out = [x.strip().lower() for x in text.split(",") if x.strip()]
-    if not out or any(x not in ("write", "read") for x in out):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected write, read or write,read")
-    return out
+#: the option parsers (mori.core.bench's, with this suite's allowed values)
+_ints = functools.partial(bench.int_list, minimum=1)
+_ops = functools.partial(bench.name_list, allowed=("write", "read"), lower=True)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", type=_ops, default=["write", "read"], help="write, read or write,read (default)")
     p.add_argument(
         "--blocks",
-        type=_sizes,
+        type=bench.size_list,
         default=None,
         help="comma-separated block sizes, e.g. 4K,1M,64M (default 4 KiB to 64 MiB by 4x)",
     )
@@ -186,7 +166,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--json", default=None, help="where to write the JSON record (default bench-results/io-DEVICE.json)"
     )
-    p.add_argument("--plot", default=None, help="where to draw the plot (default: the JSON path with .png)")
+    p.add_argument(
+        "--plot",
+        default=None,
+        help="where to draw the plot (default: the JSON path with .png; 'none' for no plot; needs matplotlib)",
+    )
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
@@ -214,12 +198,12 @@ def points(
 
 def summarize(nbytes: int, reps: Sequence[tuple[Sequence[float], Sequence[float]]]) -> dict[str, Any]:
     """Figures of one point from its repetitions, each ``(latencies_s, post_times_s)`` of one rep."""
-    gbps = [nbytes * len(lat) / sum(lat) / 1e9 for lat, _ in reps if lat and sum(lat) > 0]
+    gbps = [bench.gbps(nbytes * len(lat), sum(lat)) for lat, _ in reps if lat and sum(lat) > 0]
     lats = sorted(x for lat, _ in reps for x in lat)
     posts = [x for _, post in reps for x in post]
     if not gbps or not lats:
         raise ValueError("no timed iterations")
-    p99 = lats[min(len(lats) - 1, round(0.99 * (len(lats) - 1)))]
+    p99 = bench.percentile(lats, 0.99)
     return {
         "gbps": statistics.median(gbps),
         "gbps_min": min(gbps),
@@ -233,42 +217,12 @@ def summarize(nbytes: int, reps: Sequence[tuple[Sequence[float], Sequence[float]
     }
 
 
-def time_transfers(
-    post: Callable[[], Any], wait: Callable[[Any], None], iters: int
-) -> tuple[list[float], list[float]]:
-    """``iters`` stop-and-wait transfers: per iteration (latency, post time) in seconds."""
-    lat, posts = [], []
-    clock = time.perf_counter
-    for _ in range(iters):
-        t0 = clock()
-        handle = post()
-        t1 = clock()
-        wait(handle)
-        t2 = clock()
-        posts.append(t1 - t0)
-        lat.append(t2 - t0)
-    return lat, posts
-
-
-def time_pipelined(
-    post: Callable[[], Any], wait: Callable[[Any], None], iters: int, *, wait_each: bool = True
-) -> float:
-    """Seconds for ``iters`` transfers posted back to back (all in flight at once), then all waited
-    for: each handle, or with ``wait_each=False`` only the last (a wait that covers everything
-    before it, such as a device synchronize)."""
-    t0 = time.perf_counter()
-    handles = [post() for _ in range(iters)]
-    for h in handles if wait_each else handles[-1:]:
-        wait(h)
-    return time.perf_counter() - t0
-
-
 def with_stream_figures(
     fig: dict[str, Any], nbytes: int, iters: int, seconds: Sequence[float]
 ) -> dict[str, Any]:
     """``fig`` (stop-and-wait figures) with GB/s replaced by the pipelined ones (``seconds`` per rep of
     ``iters`` transfers); the stop-and-wait GB/s stay under ``sw_*``."""
-    gbps = [nbytes * iters / t / 1e9 for t in seconds]
+    gbps = [bench.gbps(nbytes * iters, t) for t in seconds]
     return {
         **fig,
         "sw_gbps": fig["gbps"],
@@ -720,8 +674,10 @@ def _measure_cpu(
     names = ["mori", "nixl"] if nixl is not None else ["mori"]
     nixl_verified: bool | None = None
     why_not = ""
+    progress = bench.Progress("mori bench io", args.reps * len(names))
     for r in range(args.reps):
         for name in names if r % 2 == 0 else reversed(names):
+            progress.step(f"rep {r + 1}/{args.reps}: {name}, {len(pts)} points")
             t0 = time.perf_counter()
             if name == "mori":
                 for op, block, batch in pts:
@@ -746,7 +702,9 @@ def _measure_cpu(
                 nixl.down()
             else:
                 continue
+            progress.close()
             print(f"  rep {r + 1}/{args.reps}: {name} done in {time.perf_counter() - t0:.1f} s", flush=True)
+    progress.close()
     rows = []
     for op, block, batch in pts:
         nbytes = block * batch
@@ -771,17 +729,7 @@ _WIDTHS = [5, 7, 5, 9, 13, 9, 9, 8, 11, 13, 9, 9, 8, 6]
 
 
 def _print_header(baseline: str) -> None:
-    print(
-        "  ".join(
-            x.rjust(w)
-            for x, w in zip(
-                [*_COLUMNS[:8], f"{baseline} GB/s", *_COLUMNS[4:8], "ratio"],
-                _WIDTHS,
-                strict=True,
-            )
-        ),
-        flush=True,
-    )
+    print(bench.format_row([*_COLUMNS[:8], f"{baseline} GB/s", *_COLUMNS[4:8], "ratio"], _WIDTHS), flush=True)
 
 
 def _cells(fig: dict[str, Any] | None) -> list[str]:
@@ -810,8 +758,7 @@ def _row_cells(row: dict[str, Any], baseline_key: str) -> list[str]:
 
 
 def _print_row(row: dict[str, Any], baseline_key: str = "nixl") -> None:
-    c = _row_cells(row, baseline_key)
-    print("  ".join(x.rjust(w) for x, w in zip(c, _WIDTHS, strict=True)), flush=True)
+    print(bench.format_row(_row_cells(row, baseline_key), _WIDTHS), flush=True)
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], baseline: str, baseline_key: str) -> str:
@@ -832,10 +779,7 @@ def markdown_table(rows: Sequence[dict[str, Any]], baseline: str, baseline_key: 
         "post us",
         f"mori/{baseline}",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in rows:
-        lines.append("| " + " | ".join(_row_cells(row, baseline_key)) + " |")
-    return "\n".join(lines)
+    return bench.markdown_table(head, [_row_cells(row, baseline_key) for row in rows])
 
 
 def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -916,7 +860,7 @@ def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
         "nixl": "measured" if measured else f"unavailable: {why_not}",
         "nixl_agents": "created per NIXL phase, initiator in a process of its own; target with NIXL's progress "
         "thread, initiator " + ("with one" if args.nixl_initiator_thread == "on" else "without (it polls)"),
-        "nixl_version": _version("nixl"),
+        "nixl_version": bench.version("nixl"),
         "ucx_tls": args.ucx_tls or os.environ.get("UCX_TLS") or "unset (UCX default)",
         "ucx_transports": transports,
     }
@@ -937,15 +881,6 @@ def _manners() -> str:
         if on
         else "no opt-in tuning set"
     )
-
-
-def _version(dist: str) -> str:
-    try:
-        import importlib.metadata as md
-
-        return md.version(dist)
-    except Exception:
-        return "not installed"
 
 
 # -- GPU -------------------------------------------------------------------------------------------------
@@ -1043,7 +978,10 @@ def run_gpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
         _print_header("copy_")
         rows = []
         batches = args.batches or [1]
-        for op, block, batch in points(args.ops, args.blocks, batches, nbytes):
+        pts = points(args.ops, args.blocks, batches, nbytes)
+        progress = bench.Progress("mori bench io", len(pts))
+        for op, block, batch in pts:
+            progress.step(f"{op} {batch} x {bench.human_bytes(block)}")
             iters = iterations(block * batch, args.iters)
             offs = [i * block for i in range(batch)]
             mori_post = session_post(sess, engine.allocate_transfer_uid, op, offs, [block] * batch)
@@ -1080,6 +1018,7 @@ def run_gpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
                 )
             row["ratio"] = row["mori"]["gbps"] / row["copy"]["gbps"]
             rows.append(row)
+            progress.close()
             _print_row(row, "copy")
         # the batch-latency figure: 128 blocks of 16 KiB, strided (every other block), so nothing merges
         lat_rows = []
@@ -1146,10 +1085,8 @@ def run(args: argparse.Namespace) -> int:
     if args.reps < 1 or args.iters < 0:
         raise SystemExit("mori bench io: --reps must be >= 1 and --iters >= 0")
     args.blocks = args.blocks or DEFAULT_BLOCKS
-    args.json = args.json or (
-        f"bench-results/io-cpu-{args.buffers}.json"
-        if args.device == "cpu"
-        else f"bench-results/io-{args.device}.json"
+    args.json = bench.json_path(
+        args.json, f"io-cpu-{args.buffers}" if args.device == "cpu" else f"io-{args.device}"
     )
     if args.device == "cpu":
         args.batches = args.batches or DEFAULT_BATCHES
@@ -1171,8 +1108,7 @@ def run(args: argparse.Namespace) -> int:
     path = bench.write_json(args.json, "io", config, rows)
     print(f"wrote {path}")
     table_rows = [r for r in rows if "block" in r]
-    plot_path = Path(args.plot) if args.plot else path.with_suffix(".png")
-    plot(plot_path, table_rows, baseline, key)
+    plot(bench.plot_path(args.plot, path), table_rows, baseline, key)
     return (
         0
         if all(info["verified"].values() if isinstance(info["verified"], dict) else [info["verified"]])
@@ -1180,38 +1116,36 @@ def run(args: argparse.Namespace) -> int:
     )
 
 
-def plot(path: Path, rows: Sequence[dict[str, Any]], baseline: str, key: str) -> bool:
-    """GB/s against block size, one line per (framework, op, batch); False (with a message) without matplotlib."""
-    try:
-        import matplotlib
+def plot(path: Path | None, rows: Sequence[dict[str, Any]], baseline: str, key: str) -> bool:
+    """GB/s against block size, one line per (framework, op, batch), drawn to ``path`` (``None``: no
+    plot); False without a path or (with a message) without matplotlib."""
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
-        return False
-    ops = sorted({r["op"] for r in rows}, reverse=True)  # write, read
-    batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(1, max(1, len(ops)), figsize=(6.5 * max(1, len(ops)), 5), squeeze=False)
-    for ax, op in zip(axes[0], ops, strict=False):
-        for i, batch in enumerate(batches):
-            sel = [r for r in rows if r["op"] == op and r["batch"] == batch]
-            if not sel:
-                continue
-            color = f"C{i}"
-            x = [r["block"] for r in sel]
-            ax.plot(x, [r["mori"]["gbps"] for r in sel], "-o", color=color, label=f"mori, batch {batch}")
-            if all(key in r for r in sel):
-                ax.plot(
-                    x, [r[key]["gbps"] for r in sel], "--x", color=color, label=f"{baseline}, batch {batch}"
-                )
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("block bytes")
-        ax.set_ylabel("GB/s (median of reps)")
-        ax.set_title(f"{op.upper()}: mori.io (solid) vs {baseline} (dashed)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    print(f"wrote {path}")
-    return True
+    def draw(plt: Any) -> Any:
+        ops = sorted({r["op"] for r in rows}, reverse=True)  # write, read
+        batches = sorted({r["batch"] for r in rows})
+        fig, axes = plt.subplots(1, max(1, len(ops)), figsize=(6.5 * max(1, len(ops)), 5), squeeze=False)
+        for ax, op in zip(axes[0], ops, strict=False):
+            for i, batch in enumerate(batches):
+                sel = [r for r in rows if r["op"] == op and r["batch"] == batch]
+                if not sel:
+                    continue
+                color = f"C{i}"
+                x = [r["block"] for r in sel]
+                ax.plot(x, [r["mori"]["gbps"] for r in sel], "-o", color=color, label=f"mori, batch {batch}")
+                if all(key in r for r in sel):
+                    ax.plot(
+                        x,
+                        [r[key]["gbps"] for r in sel],
+                        "--x",
+                        color=color,
+                        label=f"{baseline}, batch {batch}",
+                    )
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("block bytes")
+            ax.set_ylabel("GB/s (median of reps)")
+            ax.set_title(f"{op.upper()}: mori.io (solid) vs {baseline} (dashed)")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        return fig
+
+    return bench.draw_plot(path, draw, dpi=110)

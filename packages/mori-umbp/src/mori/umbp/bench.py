@@ -81,15 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # -- tiers ---------------------------------------------------------------------------------------------
 
 
-def _rate(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
-
-
-def _spread(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-
-
-def bench_dram(args: argparse.Namespace, batches: list[int]) -> list[dict[str, Any]]:
+def bench_dram(
+    args: argparse.Namespace, batches: list[int], progress: bench.Progress | None = None
+) -> list[dict[str, Any]]:
     from mori.umbp import UMBPClient, UMBPConfig
     from mori.umbp.host_memory import map_host, unmap_host
 
@@ -108,6 +102,8 @@ def bench_dram(args: argparse.Namespace, batches: list[int]) -> list[dict[str, A
     rows: list[dict[str, Any]] = []
     try:
         for b in batches:
+            if progress is not None:
+                progress.step(f"dram, batch {b}")
             put, get, cpy = [], [], []
             for _ in range(args.reps):
                 client.clear()
@@ -117,23 +113,23 @@ def bench_dram(args: argparse.Namespace, batches: list[int]) -> list[dict[str, A
                     ok = client.batch_put_from_ptr(keys[i : i + b], srcs[i : i + b], sizes[i : i + b])
                     t += time.perf_counter() - t0
                     assert all(ok), "a put failed: the DRAM tier is too small"
-                put.append(_rate(total, t))
+                put.append(bench.gbps(total, t))
                 t = 0.0
                 for i in range(0, n, b):
                     t0 = time.perf_counter()
                     ok = client.batch_get_into_ptr(keys[i : i + b], dsts[i : i + b], sizes[i : i + b])
                     t += time.perf_counter() - t0
                     assert all(ok), "a get missed"
-                get.append(_rate(total, t))
+                get.append(bench.gbps(total, t))
                 t0 = time.perf_counter()
                 for s, d in zip(srcs, dsts, strict=True):
                     ctypes.memmove(d, s, size)
-                cpy.append(_rate(total, time.perf_counter() - t0))
+                cpy.append(bench.gbps(total, time.perf_counter() - t0))
             verified = ctypes.string_at(dst.ptr + (n - 1) * size, 64) == b"\x5a" * 64
             mc = statistics.median(cpy)
             rows.append({
-                "tier": "dram", "batch": b, "count": n, "size": size, "put_gbps": _spread(put), "get_gbps": _spread(get),
-                "memcpy_gbps": _spread(cpy), "put_ratio": statistics.median(put) / mc,
+                "tier": "dram", "batch": b, "count": n, "size": size, "put_gbps": bench.spread(put), "get_gbps": bench.spread(get),
+                "memcpy_gbps": bench.spread(cpy), "put_ratio": statistics.median(put) / mc,
                 "get_ratio": statistics.median(get) / mc, "verified": verified,
             })  # fmt: skip
     finally:
@@ -153,7 +149,9 @@ def _drop_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def bench_ssd(args: argparse.Namespace, batches: list[int]) -> list[dict[str, Any]]:
+def bench_ssd(
+    args: argparse.Namespace, batches: list[int], progress: bench.Progress | None = None
+) -> list[dict[str, Any]]:
     from mori.umbp.config import UMBPDurabilityMode, UMBPSsdConfig
     from mori.umbp.host_memory import map_host, unmap_host
     from mori.umbp.ssd import SsdTier
@@ -170,6 +168,8 @@ def bench_ssd(args: argparse.Namespace, batches: list[int]) -> list[dict[str, An
     try:
         for mode in (UMBPDurabilityMode.Strict, UMBPDurabilityMode.Relaxed):
             for b in batches:
+                if progress is not None:
+                    progress.step(f"ssd {mode.name.lower()}, batch {b}")
                 put, get, seq_w, seq_r = [], [], [], []
                 for _ in range(args.reps):
                     d = root / "tier"
@@ -190,7 +190,7 @@ def bench_ssd(args: argparse.Namespace, batches: list[int]) -> list[dict[str, An
                     t0 = time.perf_counter()
                     tier.flush()
                     t += time.perf_counter() - t0
-                    put.append(_rate(total, t))
+                    put.append(bench.gbps(total, t))
                     _drop_cache(sorted(d.glob("segment-*.log")))
                     t = 0.0
                     for i in range(0, n, b):
@@ -199,7 +199,7 @@ def bench_ssd(args: argparse.Namespace, batches: list[int]) -> list[dict[str, An
                         ok = tier.get_many(items)
                         t += time.perf_counter() - t0
                         assert all(ok)
-                    get.append(_rate(total, t))
+                    get.append(bench.gbps(total, t))
                     tier.close()
                     w, r = _sequential(root / "seq.bin", src.ptr, total)
                     seq_w.append(w)
@@ -207,8 +207,8 @@ def bench_ssd(args: argparse.Namespace, batches: list[int]) -> list[dict[str, An
                 verified = ctypes.string_at(dst.ptr, total // 8) == ctypes.string_at(src.ptr, total // 8)
                 rows.append({
                     "tier": "ssd", "durability": mode.name.lower(), "batch": b, "count": n, "size": size,
-                    "put_gbps": _spread(put), "get_gbps": _spread(get), "disk_write_gbps": _spread(seq_w),
-                    "disk_read_gbps": _spread(seq_r), "put_ratio": statistics.median(put) / statistics.median(seq_w),
+                    "put_gbps": bench.spread(put), "get_gbps": bench.spread(get), "disk_write_gbps": bench.spread(seq_w),
+                    "disk_read_gbps": bench.spread(seq_r), "put_ratio": statistics.median(put) / statistics.median(seq_w),
                     "get_ratio": statistics.median(get) / statistics.median(seq_r), "verified": verified,
                 })  # fmt: skip
     finally:
@@ -229,13 +229,13 @@ def _sequential(path: Path, ptr: int, total: int) -> tuple[float, float]:
         for off in range(0, total, chunk):
             os.pwrite(fd, view[off : off + chunk], off)
         os.fsync(fd)
-        w = _rate(total, time.perf_counter() - t0)
+        w = bench.gbps(total, time.perf_counter() - t0)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         buf = bytearray(chunk)
         t0 = time.perf_counter()
         for off in range(0, total, chunk):
             os.preadv(fd, [buf], off)
-        r = _rate(total, time.perf_counter() - t0)
+        r = bench.gbps(total, time.perf_counter() - t0)
     finally:
         os.close(fd)
         path.unlink()
@@ -243,12 +243,6 @@ def _sequential(path: Path, ptr: int, total: int) -> tuple[float, float]:
 
 
 # -- master --------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_port(port: int, timeout: float = 20.0) -> None:
@@ -301,7 +295,9 @@ def _load(address: str, op: str, threads: int, seconds: float, hashes: int, q: A
     q.put(sum(counts))
 
 
-def bench_master(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]:
+def bench_master(
+    args: argparse.Namespace, backend: str, progress: bench.Progress | None = None
+) -> list[dict[str, Any]]:
     from mori.umbp import UMBPMasterClient, UMBPTierType
 
     env = dict(os.environ)
@@ -313,7 +309,7 @@ def bench_master(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]
         if exe is None:
             print("mori bench umbp: redis-server is not installed; the Redis backend is not measured")
             return [{"master": "redis", "skipped": "redis-server is not installed"}]
-        rport = _free_port()
+        rport = bench.free_port()
         redis_proc = subprocess.Popen(
             [exe, "--port", str(rport), "--bind", "127.0.0.1", "--dir", tmp, "--save", "", "--appendonly", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -327,7 +323,7 @@ def bench_master(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]
     else:
         env["UMBP_METADATA_BACKEND"] = "inmemory"
     env["UMBP_HEARTBEAT_TTL_SEC"] = "3600"
-    port = _free_port()
+    port = bench.free_port()
     exe = shutil.which("umbp_master")
     cmd = [exe] if exe else [sys.executable, "-m", "mori.umbp.master.server"]
     master = subprocess.Popen([*cmd, f"127.0.0.1:{port}", "0", "--log-level", "WARNING"], env=env)
@@ -345,7 +341,9 @@ def bench_master(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]
                                         UMBPTierType.DRAM)  # fmt: skip
         ctx = mp.get_context("spawn")
         for op in [o for o in args.ops.split(",") if o]:
-            for threads in [int(t) for t in str(args.threads).split(",") if t]:
+            for threads in _ints("--threads", str(args.threads)):
+                if progress is not None:
+                    progress.step(f"master {backend}, {op}, {args.procs} x {threads}")
                 rates = []
                 for _ in range(args.reps):
                     out = ctx.Queue()
@@ -365,7 +363,7 @@ def bench_master(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]
                         "op": op,
                         "procs": args.procs,
                         "threads": threads,
-                        "ops_per_s": _spread(rates),
+                        "ops_per_s": bench.spread(rates),
                     }
                 )
     finally:
@@ -385,18 +383,33 @@ def _fmt(s: dict[str, float]) -> str:
     return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
 
 
+def _ints(option: str, text: str) -> list[int]:
+    """``text`` of ``option`` as integers >= 1 (mori.core.bench's parser; the options stay strings,
+    as the record's config has them)."""
+    try:
+        return bench.int_list(text, minimum=1)
+    except argparse.ArgumentTypeError as e:
+        raise SystemExit(f"mori bench umbp: {option}: {e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
-    batches = [int(b) for b in args.batches.split(",") if b]
-    if args.reps < 1 or args.count < 1 or not batches or min(batches) < 1:
+    batches = _ints("--batches", args.batches)
+    if args.reps < 1 or args.count < 1:
         raise SystemExit("mori bench umbp: --reps, --count and every --batches value must be >= 1")
     tiers = [t for t in args.tiers.split(",") if t]
+    masters = [b for b in args.master.split(",") if b]
+    ssd_batches = [b for b in batches if b <= args.ssd_count]
+    threads = _ints("--threads", str(args.threads)) if masters else []
+    ops = [o for o in args.ops.split(",") if o]
+    steps = len(batches) * ("dram" in tiers) + 2 * len(ssd_batches) * ("ssd" in tiers)
     rows: list[dict[str, Any]] = []
-    if "dram" in tiers:
-        rows += bench_dram(args, batches)
-    if "ssd" in tiers:
-        rows += bench_ssd(args, [b for b in batches if b <= args.ssd_count])
-    for backend in [b for b in args.master.split(",") if b]:
-        rows += bench_master(args, backend)
+    with bench.Progress("mori bench umbp", steps + len(masters) * len(ops) * len(threads)) as progress:
+        if "dram" in tiers:
+            rows += bench_dram(args, batches, progress)
+        if "ssd" in tiers:
+            rows += bench_ssd(args, ssd_batches, progress)
+        for backend in masters:
+            rows += bench_master(args, backend, progress)
     tier_rows = [r for r in rows if "tier" in r]
     if tier_rows:
         print(bench.format_table(

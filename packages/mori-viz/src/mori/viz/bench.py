@@ -30,6 +30,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from mori.core import bench
 from mori.core.bench import Stats, format_table, write_json
 
 __all__ = ["add_arguments", "run"]
@@ -85,20 +86,11 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
 
 def _timer(spec: dict[str, Any], launches: dict[str, Any]) -> dict[str, list[float]]:
     """Seconds per launch of each function in ``launches``, samples interleaved."""
-    import time
-
     import torch
 
     reps, iters, warmup = spec["reps"], spec["iters"], spec["warmup"]
     if spec["device"] != "cuda":
-        out: dict[str, list[float]] = {k: [] for k in launches}
-        for i in range(warmup + iters):
-            for name, fn in launches.items():
-                t0 = time.perf_counter()
-                fn()
-                if i >= warmup:
-                    out[name].append(time.perf_counter() - t0)
-        return out
+        return bench.time_interleaved(launches, iters=iters, warmup=warmup)
     graphs = {}
     for name, fn in launches.items():
         fn()  # compile and load outside the capture
@@ -109,17 +101,12 @@ def _timer(spec: dict[str, Any], launches: dict[str, Any]) -> dict[str, list[flo
                 fn()
         graphs[name] = g
     torch.cuda.synchronize()
-    out = {k: [] for k in launches}
+    out: dict[str, list[float]] = {k: [] for k in launches}
     for i in range(warmup + iters):
         for name, g in graphs.items():
-            a = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            b = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            a.record()
-            g.replay()
-            b.record()
-            torch.cuda.synchronize()
+            dt = bench.time_cuda(g.replay, reps)
             if i >= warmup:
-                out[name].append(a.elapsed_time(b) / 1e3 / reps)
+                out[name].append(dt)
     return out
 
 
@@ -166,8 +153,10 @@ def _bench(rank: int, nranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     chunks = [max(0, _cdiv(min(p * per + per, n) - p * per, ex.COPY_BLOCK)) for p in range(programs)]
     rows: list[dict[str, Any]] = []
     buffers = []
+    progress = bench.Progress("mori bench viz", 3)
 
     def copy_case(name: str, per_chunk: bool) -> None:
+        progress.step(name)
         expected = [6 + (2 * c if per_chunk else 0) for c in chunks]
         cap = 1 << max(4, (max(expected) * 4 - 1).bit_length())
         buf = viz.TraceBuffer(n_rings=programs, capacity=cap, device=dev, name=name.replace("/", "-"))
@@ -196,6 +185,7 @@ def _bench(rank: int, nranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     copy_case("copy/phases", False)
     copy_case("copy/chunks", True)
 
+    progress.step("record")
     events = spec["events"]
     out = torch.zeros(programs, dtype=torch.int64, device=dev)
     cap = 1 << max(4, (events * 4 - 1).bit_length())
@@ -214,6 +204,7 @@ def _bench(rank: int, nranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     rows.append(
         _row("record", events * programs, 0, _timer(spec, {"untraced": runtraced, "traced": rtraced}), step)
     )
+    progress.close()
 
     trace_info: dict[str, Any] = {}
     if spec["trace"]:
