@@ -8,7 +8,8 @@ value) and return result codes; ``fail[name] = code`` makes a function fail and 
 functions (an older driver).
 
 :class:`FakeGpuLib` holds the behaviour; a backend's fake (``FakeCudaLib``, ``FakeHipLib``) names
-its functions in ``FUNCS`` (C name -> operation) and writes the ones whose API differs.
+its driver binding in ``DRIVER`` (the C names of the operations alike for every vendor come from
+its ``NAMES``) and writes the functions whose API differs.
 """
 
 from __future__ import annotations
@@ -20,10 +21,50 @@ import os
 import struct
 from typing import Any, ClassVar
 
+from mori.core.gpu.driver import CtypesDriver
+
 __all__ = ["FakeGpuLib", "FakeWorld", "Mapping", "Memory"]
 
 SUCCESS, INVALID_VALUE, OUT_OF_MEMORY, NO_DEVICE, INVALID_DEVICE = 0, 1, 2, 100, 101
 INVALID_CONTEXT, NOT_FOUND, NOT_READY = 201, 500, 600
+#: the results the fakes describe (and name, with the driver's names; their naming calls fail for
+#: any other, as a real driver's may)
+TEXTS = {
+    INVALID_VALUE: "invalid argument",
+    OUT_OF_MEMORY: "out of memory",
+    NO_DEVICE: "no GPU is detected",
+    INVALID_DEVICE: "invalid device ordinal",
+    INVALID_CONTEXT: "invalid device context",
+    NOT_FOUND: "named symbol not found",
+    NOT_READY: "device not ready",
+}
+#: driver operation (a key of CtypesDriver.NAMES) -> the fake's operation doing it
+OPS = {
+    "init": "op_init",
+    "version": "op_version",
+    "can_access_peer": "op_can_access_peer",
+    "pointer_attribute": "op_pointer_attribute",
+    "synchronize": "op_plain",
+    "free": "op_free",
+    "memset": "op_memset",
+    "address_range": "op_address_range",
+    "memcpy": "op_memcpy",
+    "host_alloc": "op_host_alloc",
+    "host_device_pointer": "op_host_device_pointer",
+    "host_free": "op_host_free",
+    "ipc_get": "op_ipc_get",
+    "ipc_open": "op_ipc_open",
+    "ipc_close": "op_ipc_close",
+    "stream_create": "op_stream_create",
+    "stream_destroy": "op_stream_destroy",
+    "stream_synchronize": "op_plain",
+    "stream_wait_event": "op_plain",
+    "event_create": "op_event_create",
+    "event_record": "op_plain",
+    "event_query": "op_event_query",
+    "event_synchronize": "op_event_synchronize",
+    "event_destroy": "op_event_destroy",
+}
 _IPC = struct.Struct("<8sQQ40x")  # b"fakeipc\0", world allocation id, exporter id
 
 
@@ -74,14 +115,25 @@ class FakeWorld:
 class FakeGpuLib:
     """One process's view of the driver. ``devices``: PCI bus ids of the visible GPUs (ordinal =
     index); ``peer_access``: whether the peer-access query says yes; ``init_result``: what the init
-    call returns. Subclasses set ``PREFIX`` (of the function names), ``FUNCS``, ``DEVICES`` (the
-    default ``devices``), ``VERSION`` (what the version call reports), and :meth:`_alloc_device`."""
+    call returns. Subclasses set ``DRIVER`` (the binding whose C names they answer to), ``PREFIX``
+    (of the function names), ``DEVICES`` (the default ``devices``), ``VERSION`` (what the version
+    call reports), and :meth:`_alloc_device`."""
 
+    DRIVER: ClassVar[type[CtypesDriver]] = CtypesDriver
     PREFIX: ClassVar[str] = ""
+    #: C name -> the fake's operation (from DRIVER.NAMES and OPS)
     FUNCS: ClassVar[dict[str, str]] = {}
     DEVICES: ClassVar[tuple[str, ...]] = ()
     VERSION: ClassVar[int] = 0
     _ids = 0
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls.FUNCS = {cls.DRIVER.NAMES[op]: fake for op, fake in OPS.items()}
+
+    def result_name(self, code: int) -> str | None:
+        """The name the fake's naming call gives ``code``; None: the call fails for it."""
+        return self.DRIVER.RESULT_NAMES.get(code) if code == SUCCESS or code in TEXTS else None
 
     def __init__(
         self,
