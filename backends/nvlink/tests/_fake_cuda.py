@@ -38,29 +38,29 @@ class FakeCudaLib(FakeGpuLib):
 
     def cuDeviceGetCount(self, out: Any) -> int:
         out._obj.value = len(self.devices)
-        return self._enter("cuDeviceGetCount")
+        return self.enter("cuDeviceGetCount")
 
     def cuDeviceGet(self, out: Any, ordinal: int) -> int:
         if not 0 <= ordinal < len(self.devices):
             return INVALID_DEVICE
         out._obj.value = ordinal
-        return self._enter("cuDeviceGet")
+        return self.enter("cuDeviceGet")
 
     def cuDeviceGetPCIBusId(self, buf: Any, length: int, device: int) -> int:
         buf.value = self.devices[device].upper().encode()
-        return self._enter("cuDeviceGetPCIBusId")
+        return self.enter("cuDeviceGetPCIBusId")
 
     def cuDevicePrimaryCtxRetain(self, out: Any, device: int) -> int:
         out._obj.value = 0xC000 + device
-        return self._enter("cuDevicePrimaryCtxRetain")
+        return self.enter("cuDevicePrimaryCtxRetain")
 
     def cuCtxGetCurrent(self, out: Any) -> int:
         out._obj.value = self.current or None
-        return self._enter("cuCtxGetCurrent")
+        return self.enter("cuCtxGetCurrent")
 
     def cuCtxSetCurrent(self, ctx: Any) -> int:
         self.current = ctx or 0
-        return self._enter("cuCtxSetCurrent")
+        return self.enter("cuCtxSetCurrent")
 
     def cuMemAlloc_v2(self, out: Any, size: int) -> int:
         return self.op_alloc("cuMemAlloc_v2", out, size)

@@ -46,23 +46,23 @@ class FakeHipLib(FakeGpuLib):
         if not self.devices:
             return NO_DEVICE
         out._obj.value = len(self.devices)
-        return self._enter("hipGetDeviceCount")
+        return self.enter("hipGetDeviceCount")
 
     def hipGetDevice(self, out: Any) -> int:
         out._obj.value = self.device
-        return self._enter("hipGetDevice")
+        return self.enter("hipGetDevice")
 
     def hipSetDevice(self, device: int) -> int:
         if not 0 <= device < len(self.devices):
             return INVALID_DEVICE
         self.device = device
-        return self._enter("hipSetDevice")
+        return self.enter("hipSetDevice")
 
     def hipDeviceGetPCIBusId(self, buf: Any, length: int, device: int) -> int:
         if not 0 <= device < len(self.devices):
             return INVALID_DEVICE
         buf.value = self.devices[device].encode()
-        return self._enter("hipDeviceGetPCIBusId")
+        return self.enter("hipDeviceGetPCIBusId")
 
     # -- memory: two allocation calls, and copies take a direction ----------------------------------
 
@@ -73,7 +73,7 @@ class FakeHipLib(FakeGpuLib):
         return self.op_alloc("hipExtMallocWithFlags", out, size, flags)
 
     def hipMemcpyAsync(self, dst: int, src: int, n: int, kind: int, stream: Any) -> int:
-        rc = self._enter("hipMemcpyAsync")
+        rc = self.enter("hipMemcpyAsync")
         if rc:
             return rc
         if kind != HIP_MEMCPY_DEFAULT:

@@ -177,7 +177,9 @@ class FakeGpuLib:
         self._next += 0x10
         return self._next
 
-    def _enter(self, name: str) -> int:
+    def enter(self, name: str) -> int:
+        """Record a call of the C function ``name`` and return its result: what ``fail`` says, else
+        success (a backend's fake functions start with it)."""
         self.calls.append(name)
         return self.fail.get(name, SUCCESS)
 
@@ -198,28 +200,28 @@ class FakeGpuLib:
     # -- operations (the first argument is the C function's name) --------------------------------
 
     def op_init(self, name: str, flags: int) -> int:
-        return self._enter(name) or self.init_result
+        return self.enter(name) or self.init_result
 
     def op_version(self, name: str, out: Any) -> int:
         out._obj.value = self.VERSION
-        return self._enter(name)
+        return self.enter(name)
 
     def op_plain(self, name: str, *args: Any) -> int:
-        return self._enter(name)
+        return self.enter(name)
 
     def op_can_access_peer(self, name: str, out: Any, device: int, peer: int) -> int:
         out._obj.value = int(self.peer_access)
-        return self._enter(name)
+        return self.enter(name)
 
     def op_pointer_attribute(self, name: str, out: Any, attribute: int, ptr: int) -> int:
         found = self._find(ptr)
         if found is None or attribute != 9:
             return INVALID_VALUE
         out._obj.value = found[2].memory.device
-        return self._enter(name)
+        return self.enter(name)
 
     def op_alloc(self, name: str, out: Any, size: int, flags: int = 0) -> int:
-        rc = self._enter(name)
+        rc = self.enter(name)
         if rc:
             return rc
         device = self._alloc_device()
@@ -231,7 +233,7 @@ class FakeGpuLib:
         return SUCCESS
 
     def op_free(self, name: str, ptr: int) -> int:
-        rc = self._enter(name)
+        rc = self.enter(name)
         if rc:
             return rc
         if ptr not in self.allocs:
@@ -243,7 +245,7 @@ class FakeGpuLib:
 
     def op_memset(self, name: str, ptr: int, value: int, n: int, stream: Any) -> int:
         ctypes.memset(ptr, value, n)
-        return self._enter(name)
+        return self.enter(name)
 
     def op_address_range(self, name: str, base: Any, size: Any, ptr: int) -> int:
         found = self._find(ptr)
@@ -251,10 +253,10 @@ class FakeGpuLib:
             return NOT_FOUND
         base._obj.value = found[1]
         size._obj.value = found[2].memory.size
-        return self._enter(name)
+        return self.enter(name)
 
     def op_memcpy(self, name: str, dst: int, src: int, n: int, stream: Any) -> int:
-        rc = self._enter(name)
+        rc = self.enter(name)
         if rc:
             return rc
         ctypes.memmove(dst, src, n)
@@ -264,18 +266,18 @@ class FakeGpuLib:
         buf = (ctypes.c_uint8 * n)()
         self.host[ctypes.addressof(buf)] = buf
         out._obj.value = ctypes.addressof(buf)
-        return self._enter(name)
+        return self.enter(name)
 
     def op_host_device_pointer(self, name: str, out: Any, ptr: int, flags: int) -> int:
         out._obj.value = ptr
-        return self._enter(name)
+        return self.enter(name)
 
     def op_host_free(self, name: str, ptr: int) -> int:
         self.host.pop(ptr, None)
-        return self._enter(name)
+        return self.enter(name)
 
     def op_ipc_get(self, name: str, handle: Any, ptr: int) -> int:
-        rc = self._enter(name)
+        rc = self.enter(name)
         if rc:
             return rc
         if ptr not in self.allocs:  # only the base of an allocation of this process
@@ -285,7 +287,7 @@ class FakeGpuLib:
         return SUCCESS
 
     def op_ipc_open(self, name: str, out: Any, handle: Any, flags: int) -> int:
-        rc = self._enter(name)
+        rc = self.enter(name)
         if rc:
             return rc
         magic, mid, exporter = _IPC.unpack(bytes(handle))
@@ -300,7 +302,7 @@ class FakeGpuLib:
         return SUCCESS
 
     def op_ipc_close(self, name: str, ptr: int) -> int:
-        rc = self._enter(name)
+        rc = self.enter(name)
         if rc:
             return rc
         m = self.opened.pop(ptr, None)
@@ -313,29 +315,29 @@ class FakeGpuLib:
         s = self._handle()
         self.streams.add(s)
         out._obj.value = s
-        return self._enter(name)
+        return self.enter(name)
 
     def op_stream_destroy(self, name: str, stream: int) -> int:
         self.streams.discard(stream)
-        return self._enter(name)
+        return self.enter(name)
 
     def op_event_create(self, name: str, out: Any, flags: int) -> int:
         e = self._handle()
         self.events.add(e)
         out._obj.value = e
-        return self._enter(name)
+        return self.enter(name)
 
     def op_event_query(self, name: str, event: int) -> int:
-        rc = self._enter(name)
+        rc = self.enter(name)
         return rc or (NOT_READY if event in self.not_ready else SUCCESS)
 
     def op_event_synchronize(self, name: str, event: int) -> int:
         self.not_ready.discard(event)
-        return self._enter(name)
+        return self.enter(name)
 
     def op_event_destroy(self, name: str, event: int) -> int:
         self.events.discard(event)
-        return self._enter(name)
+        return self.enter(name)
 
     def close(self) -> None:
         for _, m in list(self.allocs.values()):
