@@ -2,7 +2,7 @@
 backend's real code on the fake CUDA and HIP drivers of mori.testing (device memory is host memory there, an
 IPC open maps the same memory again at another address, two fake runtimes play two processes).
 
-The tests marked ``cuda`` run the backend on real GPUs (two of them) through the public API.
+The tests marked ``gpu`` run the backend on real GPUs (two of them, either vendor) through the public API.
 """
 
 from __future__ import annotations
@@ -863,7 +863,7 @@ def _two_gpus() -> None:
         pytest.skip("needs 2 GPUs")
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 def test_gpu_kernel_matches_on_device() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
@@ -884,7 +884,7 @@ def test_gpu_kernel_matches_on_device() -> None:
         assert torch.equal(dst[i * 32768 : i * 32768 + 16384].cpu(), src[i * 16384 : (i + 1) * 16384].cpu())
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 def test_gpu_two_engines_of_one_process_on_one_gpu() -> None:
     """No IPC: the kernel path and the copy path through the public API on one GPU."""
     if not torch.cuda.is_available():
@@ -917,7 +917,7 @@ def test_gpu_two_engines_of_one_process_on_one_gpu() -> None:
         assert torch.equal(src[:MiB], src[2 * MiB : 3 * MiB])
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 def test_gpu_threads_post_singles_and_batches_at_once() -> None:
     """Four threads post into one XGMI queue at once (single blocks of many sizes and kernel
     batches), statuses waited for in any order; every byte lands where it should. Both regions on
@@ -986,7 +986,7 @@ def test_gpu_threads_post_singles_and_batches_at_once() -> None:
         assert not got[~mask].any()  # and nothing else was touched
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 def test_gpu_tcp_stages_gpu_memory_through_the_runtime_copier() -> None:
     """Only the TCP backend: GPU regions move through host staging (mori.io.staging's copier on
     the real driver), both ways, byte-exact, several pieces per transfer."""
@@ -1031,7 +1031,7 @@ def _gpu_peer(conn: Any) -> None:
         conn.recv()
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 def test_gpu_two_processes_write_read_batch() -> None:
     _two_gpus()
     import multiprocessing as mp
