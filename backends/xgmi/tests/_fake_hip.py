@@ -5,79 +5,31 @@ HIP runtime's function names, its current device, its allocation flags and its e
 from __future__ import annotations
 
 import ctypes
-from typing import Any, ClassVar
+from typing import Any
+
+from mori_backend_xgmi.driver import HIP_MEMCPY_DEFAULT, HipDriver
 
 from mori.testing.gpu_fake import (
     INVALID_DEVICE,
     INVALID_VALUE,
     NO_DEVICE,
-    NOT_FOUND,
-    NOT_READY,
-    OUT_OF_MEMORY,
     SUCCESS,
+    TEXTS,
     FakeGpuLib,
     FakeWorld,
-    Mapping,
-    Memory,
 )
 
-__all__ = ["FakeHipLib", "FakeWorld", "Mapping", "Memory"]
-_ = (NOT_FOUND, NOT_READY, OUT_OF_MEMORY)
-
-NAMES = {
-    0: "hipSuccess",
-    1: "hipErrorInvalidValue",
-    2: "hipErrorOutOfMemory",
-    100: "hipErrorNoDevice",
-    101: "hipErrorInvalidDevice",
-    201: "hipErrorInvalidContext",
-    500: "hipErrorNotFound",
-    600: "hipErrorNotReady",
-}
-TEXTS = {
-    1: "invalid argument",
-    2: "out of memory",
-    100: "no ROCm-capable device is detected",
-    101: "invalid device ordinal",
-    201: "invalid device context",
-    500: "named symbol not found",
-    600: "device not ready",
-}
-HIP_MEMCPY_DEFAULT = 4
+__all__ = ["FakeHipLib", "FakeWorld"]
 
 
 class FakeHipLib(FakeGpuLib):
     """One process's view of HIP (see :class:`~mori.testing.gpu_fake.FakeGpuLib`). ``device``: the
     calling thread's current device."""
 
+    DRIVER = HipDriver
     PREFIX = "hip"
     DEVICES = ("0000:0c:00.0", "0000:22:00.0")
     VERSION = 60443483
-    FUNCS: ClassVar[dict[str, str]] = {
-        "hipInit": "op_init",
-        "hipDriverGetVersion": "op_version",
-        "hipDeviceCanAccessPeer": "op_can_access_peer",
-        "hipPointerGetAttribute": "op_pointer_attribute",
-        "hipDeviceSynchronize": "op_plain",
-        "hipFree": "op_free",
-        "hipMemsetAsync": "op_memset",
-        "hipMemGetAddressRange": "op_address_range",
-        "hipHostMalloc": "op_host_alloc",
-        "hipHostGetDevicePointer": "op_host_device_pointer",
-        "hipHostFree": "op_host_free",
-        "hipIpcGetMemHandle": "op_ipc_get",
-        "hipIpcOpenMemHandle": "op_ipc_open",
-        "hipIpcCloseMemHandle": "op_ipc_close",
-        "hipStreamCreateWithFlags": "op_stream_create",
-        "hipStreamDestroy": "op_stream_destroy",
-        "hipStreamSynchronize": "op_plain",
-        "hipStreamWaitEvent": "op_plain",
-        "hipEventCreateWithFlags": "op_event_create",
-        "hipEventRecord": "op_plain",
-        "hipEventQuery": "op_event_query",
-        "hipEventSynchronize": "op_event_synchronize",
-        "hipEventDestroy": "op_event_destroy",
-    }
 
     def __init__(
         self, world: FakeWorld | None = None, devices: tuple[str, ...] | None = None, **kw: Any
@@ -94,23 +46,23 @@ class FakeHipLib(FakeGpuLib):
         if not self.devices:
             return NO_DEVICE
         out._obj.value = len(self.devices)
-        return self._enter("hipGetDeviceCount")
+        return self.enter("hipGetDeviceCount")
 
     def hipGetDevice(self, out: Any) -> int:
         out._obj.value = self.device
-        return self._enter("hipGetDevice")
+        return self.enter("hipGetDevice")
 
     def hipSetDevice(self, device: int) -> int:
         if not 0 <= device < len(self.devices):
             return INVALID_DEVICE
         self.device = device
-        return self._enter("hipSetDevice")
+        return self.enter("hipSetDevice")
 
     def hipDeviceGetPCIBusId(self, buf: Any, length: int, device: int) -> int:
         if not 0 <= device < len(self.devices):
             return INVALID_DEVICE
         buf.value = self.devices[device].encode()
-        return self._enter("hipDeviceGetPCIBusId")
+        return self.enter("hipDeviceGetPCIBusId")
 
     # -- memory: two allocation calls, and copies take a direction ----------------------------------
 
@@ -121,7 +73,7 @@ class FakeHipLib(FakeGpuLib):
         return self.op_alloc("hipExtMallocWithFlags", out, size, flags)
 
     def hipMemcpyAsync(self, dst: int, src: int, n: int, kind: int, stream: Any) -> int:
-        rc = self._enter("hipMemcpyAsync")
+        rc = self.enter("hipMemcpyAsync")
         if rc:
             return rc
         if kind != HIP_MEMCPY_DEFAULT:
@@ -132,7 +84,7 @@ class FakeHipLib(FakeGpuLib):
     # -- errors: HIP returns the strings themselves ------------------------------------------------
 
     def hipGetErrorName(self, code: int) -> bytes:
-        return NAMES.get(code, "hipErrorUnknown").encode()
+        return (self.result_name(code) or "hipErrorUnknown").encode()
 
     def hipGetErrorString(self, code: int) -> bytes:
         return TEXTS.get(code, "unknown error").encode()

@@ -1,8 +1,10 @@
-"""The hip runtime, transport and copy engine on a fake HIP: the real code paths without a GPU.
+"""The hip runtime, transport, copy engine and HIP binding on a fake HIP: the real code paths
+without a GPU.
 
 The tests both GPU plugins share are :mod:`mori.testing.gpu_runtime`'s, imported here so that they
 run against this backend (``gpu_backend`` in conftest.py); what follows them is HIP's own: calls run
-on the runtime's device (HIP's current device), and the heap is uncached unless asked otherwise.
+on the runtime's device (HIP's current device), the heap is uncached unless asked otherwise, HIP
+returns its names as strings and newer function names.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from mori_backend_xgmi.driver import HipDriver, HipError
 
 from mori.core.errors import MoriValueError
 from mori.testing.gpu_runtime import *  # noqa: F403  (the shared tests, and GpuBackend)
@@ -49,3 +52,34 @@ def test_the_heap_is_uncached_unless_asked_otherwise(runtimes: Make, monkeypatch
     monkeypatch.setenv("MORI_SHMEM_HEAP_TYPE", "cached")
     with pytest.raises(MoriValueError, match="MORI_SHMEM_HEAP_TYPE='cached' is not valid"):
         rt.create_segment(4 * MiB, "t.2")
+
+
+def test_hip_names_its_results_itself(gpu_backend: GpuBackend) -> None:  # noqa: F405
+    lib = gpu_backend.fake_lib()
+    drv = HipDriver(lib, "fake")
+    lib.fail["hipDeviceSynchronize"] = 719
+    with pytest.raises(
+        HipError, match=r"hipDeviceSynchronize failed: hipErrorUnknown \(719\): unknown error"
+    ):
+        drv.synchronize()
+    with pytest.raises(HipError, match=r"hipSetDevice failed: hipErrorInvalidDevice \(101\).*device 5"):
+        drv.set_device(5)
+
+
+def test_uncached_allocations_use_the_extended_allocator(gpu_backend: GpuBackend) -> None:  # noqa: F405
+    lib = gpu_backend.fake_lib()
+    drv = HipDriver(lib, "fake")
+    ptr = drv.mem_alloc(4096, uncached=True)
+    assert lib.calls[-1] == "hipExtMallocWithFlags" and lib.allocs[ptr][1].memory.flags == 3
+    drv.mem_free(ptr)
+
+
+def test_a_runtime_without_hip_host_malloc_is_called_by_its_newer_name() -> None:
+    class NewerHip:
+        """Has hipExtHostAlloc, not the deprecated hipHostMalloc."""
+
+        def hipExtHostAlloc(self, out: Any, n: int, flags: int) -> int:
+            out._obj.value = 0x1000 + n
+            return 0
+
+    assert HipDriver(NewerHip(), "newer").host_alloc(64) == 0x1040

@@ -621,17 +621,6 @@ def test_context_before_init_after_finalize_and_across_reinit() -> None:
 # -- the same kernels compiled, on ranks that share one GPU -------------------------------------------
 
 
-def _gpu_runtime() -> str | None:
-    """The device runtime for this machine's GPUs ("cuda" / "hip"), None without a usable GPU."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    return "hip" if getattr(torch.version, "hip", None) else "cuda"
-
-
 def _first_gpu(rank: int, nranks: int) -> None:
     import torch
 
@@ -643,19 +632,15 @@ def _on_gpu(rank: int, n: int) -> None:
     _families(rank, n)
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(_gpu_runtime() is None, reason="needs a GPU (torch.cuda.is_available() is False)")
+@pytest.mark.gpu
 def test_ir_kernels_on_ranks_sharing_one_gpu() -> None:
     """The examples and every function, compiled, on MORI_TEST_IR_GPU_RANKS (default 4) ranks that all
     use GPU 0: their kernels spin waiting for each other, so they must run at the same time (start
     an MPS daemon first for real concurrency; without it the GPU time-slices them, slowly). Every rank
     compiles each kernel once (the context address is per process), hence the long timeout."""
-    from importlib.metadata import entry_points
+    from mori.testing.gpu_shmem import machine_gpu_runtime
 
-    runtime = _gpu_runtime()
-    plugin = {"cuda": "nvlink", "hip": "xgmi"}[runtime or "cuda"]
-    if not any(ep.name == plugin for ep in entry_points(group="mori.backends")):
-        pytest.fail(f"the {runtime} runtime needs mori-backend-{plugin}: pip install backends/{plugin}")
+    runtime = machine_gpu_runtime()  # skips without a GPU, fails without a plugin serving it
     nranks = int(os.environ.get("MORI_TEST_IR_GPU_RANKS", "4"))
     env = {"MORI_DEVICE_RUNTIME": str(runtime), "MORI_SHMEM_HEAP_SIZE": "256M"}
     shmem_ranks(_on_gpu, nranks, heap="256M", timeout=400.0, env=env, before_init=_first_gpu)

@@ -2,7 +2,7 @@
 backend's real code on the fake CUDA and HIP drivers of mori.testing (device memory is host memory there, an
 IPC open maps the same memory again at another address, two fake runtimes play two processes).
 
-The tests marked ``cuda`` run the backend on real GPUs (two of them) through the public API.
+The tests marked ``gpu`` run the backend on real GPUs (two of them, either vendor) through the public API.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import os
 import random
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -35,7 +34,7 @@ from mori.io import (
     xgmi,
 )
 from mori.io.xgmi import XgmiBackend
-from mori.testing.gpu_runtime import load_interpreted, load_module_file
+from mori.testing.gpu_runtime import FakeRuntime, load_interpreted, load_module_file
 
 ROOT = Path(__file__).resolve().parents[3]
 MiB = 1 << 20
@@ -138,38 +137,22 @@ def test_scatter_gather_kernel_carries_aot_specs_for_every_word(sg: ModuleType) 
 
 @dataclass(frozen=True)
 class Vendor:
-    """One device plugin as these tests use it: its fake runtime class, fake library class, the
-    C names of the calls the tests break or count, and the other vendor's handle magic."""
+    """One device plugin as these tests use it: its fake library on the shared tests' backend
+    description, and the other vendor's handle magic."""
 
     name: str
-    runtime_class: Any
-    lib_class: Any
+    backend: Any  # mori.testing.gpu_runtime.GpuBackend
     world_class: Any
-    names: dict[str, str]
     other_magic: bytes
 
     def call(self, op: str) -> str:
-        return self.names[op]
+        return str(self.backend.call(op))
 
 
-# plugin directory, package, runtime/driver/transport classes, fake module, fake library class, GpuBackend fields
-_VENDORS: dict[str, dict[str, Any]] = {
-    "nvlink": {
-        "package": "mori_backend_nvlink",
-        "classes": ("runtime.CudaRuntime", "driver.CudaDriver", "transport.P2PTransport"),
-        "fake": ("_fake_cuda.py", "FakeCudaLib"),
-        "library": "libcuda.so.1",
-        "memcpy": "cuMemcpyAsync",
-        "other_magic": b"MXGM",
-    },
-    "xgmi": {
-        "package": "mori_backend_xgmi",
-        "classes": ("runtime.HipRuntime", "driver.HipDriver", "transport.XgmiTransport"),
-        "fake": ("_fake_hip.py", "FakeHipLib"),
-        "library": "libamdhip64.so",
-        "memcpy": "hipMemcpyAsync",
-        "other_magic": b"MNVL",
-    },
+# plugin directory -> package, fake module and class, the other vendor's handle magic
+_VENDORS: dict[str, tuple[str, str, str, bytes]] = {
+    "nvlink": ("mori_backend_nvlink", "_fake_cuda.py", "FakeCudaLib", b"MXGM"),
+    "xgmi": ("mori_backend_xgmi", "_fake_hip.py", "FakeHipLib", b"MNVL"),
 }
 
 
@@ -178,40 +161,23 @@ def make_vendor(name: str) -> Vendor | None:
     None if it is neither installed nor in this checkout."""
     import importlib
 
-    from mori.testing.gpu_runtime import GpuBackend, fake_runtime_class
+    from mori.testing.gpu_runtime import GpuBackend, source_tree
 
-    v = _VENDORS[name]
+    package, fake_file, fake_class, other_magic = _VENDORS[name]
     plugin = ROOT / "backends" / name
-    if importlib.util.find_spec(v["package"]) is None:
-        if not (plugin / "src").is_dir():
-            return None
-        sys.path.insert(0, str(plugin / "src"))
-    runtime_class, driver_class, transport_class = (
-        getattr(importlib.import_module(f"{v['package']}.{mod}"), cls)
-        for mod, cls in (c.rsplit(".", 1) for c in v["classes"])
-    )
-    fake = load_module_file(f"mori_io_fake_{name}", str(plugin / "tests" / v["fake"][0]))
-    lib_class = getattr(fake, v["fake"][1])
+    if importlib.util.find_spec(package) is None and not (plugin / "src").is_dir():
+        return None
+    source_tree(package, plugin / "src")
+    vendor = importlib.import_module(package).VENDOR
+    fake = load_module_file(f"mori_io_fake_{name}", str(plugin / "tests" / fake_file))
     backend = GpuBackend(
-        runtime_class=runtime_class,
-        driver_class=driver_class,
-        transport_class=transport_class,
-        fake_lib=lib_class,
-        library=v["library"],
-        missing_why="",
+        vendor=vendor,
+        fake_lib=getattr(fake, fake_class),
         no_devices_reason="",
-        other_runtime="",
         heap_alloc_call="",
-        memcpy_call=v["memcpy"],
-        context_calls=(),
         memcpy_failure="",
     )
-    names = {
-        op: str(driver_class.NAMES[op])
-        for op in ("ipc_open", "ipc_close", "event_synchronize", "event_query")
-    }
-    names["memcpy"] = v["memcpy"]
-    return Vendor(name, fake_runtime_class(backend), lib_class, fake.FakeWorld, names, v["other_magic"])
+    return Vendor(name, backend, fake.FakeWorld, other_magic)
 
 
 @pytest.fixture(scope="session", params=sorted(_VENDORS))
@@ -220,7 +186,7 @@ def vendor(request: pytest.FixtureRequest) -> Vendor:
     name = str(request.param)
     v = make_vendor(name)
     if v is None:
-        pytest.skip(f"{_VENDORS[name]['package']} is neither installed nor in this checkout")
+        pytest.skip(f"{_VENDORS[name][0]} is neither installed nor in this checkout")
     return v
 
 
@@ -247,9 +213,9 @@ class Node:
         return self.vendor.call(op)
 
     def runtime(self, pid: int, device: int = 0) -> Any:
-        lib = self.vendor.lib_class(self.world)
+        lib = self.vendor.backend.fake_lib(self.world)
         self.libs.append(lib)
-        return self.vendor.runtime_class(lib, device=device, pid=pid)
+        return FakeRuntime(self.vendor.backend, lib, device=device, pid=pid)
 
     def close(self) -> None:
         for b in self.backends:
@@ -312,10 +278,9 @@ def interpreted_backend_class(sg: ModuleType) -> type[XgmiBackend]:
 
 def gpu_alloc(rt: Any, size: int) -> int:
     """Device memory from the fake driver (what torch's allocator would hand out)."""
-    if rt._state is None:
-        rt._bind()
-    with rt._state.active():
-        return int(rt._state.drv.mem_alloc(size))
+    st = rt.bound_device()
+    with st.active():
+        return int(st.drv.mem_alloc(size))
 
 
 class Side:
@@ -740,28 +705,6 @@ def test_a_queue_dropped_without_close_completes_its_transfers_first(node: Node,
     b.backend.close()
 
 
-def test_kernel_launch_config_takes_plain_launches_only() -> None:
-    class Meta:
-        num_warps, shared, warp_size = 4, 0, 32
-        global_scratch_size = profile_scratch_size = 0
-        num_ctas = 1
-        launch_cooperative_grid = launch_pdl = False
-
-    class Compiled:
-        metadata = Meta()
-        function = 0
-
-        def _init_handles(self) -> None:
-            self.function = 0xF00
-
-    assert xgmi._kernel_launch_config(Compiled()) == (0xF00, 128, 0)
-    Meta.warp_size = 64  # AMD's wavefronts
-    assert xgmi._kernel_launch_config(Compiled())[1] == 256
-    Meta.global_scratch_size = 256
-    with pytest.raises(MoriBackendError, match="global_scratch_size=256"):
-        xgmi._kernel_launch_config(Compiled())
-
-
 def test_blocks_merge_only_where_they_continue_on_both_sides(node: Node, sg: ModuleType) -> None:
     a = make_side(node, sg, "a", 1000)
     b = make_side(node, sg, "b", 1001)
@@ -786,7 +729,7 @@ def test_batches_to_another_gpu_of_this_process_use_copy_engines(
     rt = node.runtime(1000, device=0)
     backend = node.backend("a", rt)
     here = Side(backend, rt, "a", gpu_alloc(rt, MiB), 0, MiB)
-    st = rt._state
+    st = rt.bound_device()
     with st.active():  # memory of GPU 1, allocated by this same process
         ctx1 = st.drv.primary_context_retain(st.drv.device(1))
         prev = st.drv.current_context()
@@ -920,7 +863,7 @@ def _two_gpus() -> None:
         pytest.skip("needs 2 GPUs")
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 def test_gpu_kernel_matches_on_device() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
@@ -941,7 +884,7 @@ def test_gpu_kernel_matches_on_device() -> None:
         assert torch.equal(dst[i * 32768 : i * 32768 + 16384].cpu(), src[i * 16384 : (i + 1) * 16384].cpu())
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 def test_gpu_two_engines_of_one_process_on_one_gpu() -> None:
     """No IPC: the kernel path and the copy path through the public API on one GPU."""
     if not torch.cuda.is_available():
@@ -974,7 +917,7 @@ def test_gpu_two_engines_of_one_process_on_one_gpu() -> None:
         assert torch.equal(src[:MiB], src[2 * MiB : 3 * MiB])
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 def test_gpu_threads_post_singles_and_batches_at_once() -> None:
     """Four threads post into one XGMI queue at once (single blocks of many sizes and kernel
     batches), statuses waited for in any order; every byte lands where it should. Both regions on
@@ -1043,7 +986,7 @@ def test_gpu_threads_post_singles_and_batches_at_once() -> None:
         assert not got[~mask].any()  # and nothing else was touched
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 def test_gpu_tcp_stages_gpu_memory_through_the_runtime_copier() -> None:
     """Only the TCP backend: GPU regions move through host staging (mori.io.staging's copier on
     the real driver), both ways, byte-exact, several pieces per transfer."""
@@ -1088,7 +1031,7 @@ def _gpu_peer(conn: Any) -> None:
         conn.recv()
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 def test_gpu_two_processes_write_read_batch() -> None:
     _two_gpus()
     import multiprocessing as mp

@@ -5,41 +5,23 @@ select it with ``MORI_DEVICE_RUNTIME=cuda`` (or ``auto``, where a GPU works). Th
 loaded with ctypes when the runtime is first used: importing this package loads neither
 ``libcuda.so.1`` nor ``torch.cuda``, and it imports on machines without CUDA.
 
-Public classes: :class:`~mori_backend_nvlink.runtime.CudaRuntime` (with ``export_range``,
-``open_range`` and ``copy_engine`` beyond the mori-core contract),
-:class:`~mori_backend_nvlink.transport.P2PTransport`,
-:class:`~mori_backend_nvlink.copy_engine.CopyEngine` and its
-:class:`~mori_backend_nvlink.copy_engine.CopyTicket`,
-:class:`~mori_backend_nvlink.handles.SegmentHandle`, and the driver binding
-:class:`~mori_backend_nvlink.driver.CudaDriver` with its :class:`~mori_backend_nvlink.driver.CudaError`.
+The package is data: :data:`~mori_backend_nvlink.vendor.VENDOR` (a
+:class:`mori.core.gpu.vendor.GpuVendor`) and the CUDA driver binding
+:class:`~mori_backend_nvlink.driver.CudaDriver` with its C prototypes and its
+:class:`~mori_backend_nvlink.driver.CudaError`. The runtime (``PLUGIN.runtime``, a
+:class:`mori.core.gpu.runtime.GpuRuntime`), the transport and the copy engine are mori-core's.
 """
 
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from mori_backend_nvlink.copy_engine import CopyEngine, CopyTicket
-from mori_backend_nvlink.driver import CudaDriver, CudaError, load_driver
-from mori_backend_nvlink.handles import PciAddress, SegmentHandle
-from mori_backend_nvlink.runtime import CudaPeerSegment, CudaRuntime, CudaSegment
-from mori_backend_nvlink.transport import P2PTransport
+from mori_backend_nvlink.driver import CudaDriver, CudaError
+from mori_backend_nvlink.vendor import VENDOR
 
 try:
     __version__ = version("mori-backend-nvlink")
 except PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0"
 
-__all__ = [
-    "CopyEngine",
-    "CopyTicket",
-    "CudaDriver",
-    "CudaError",
-    "CudaPeerSegment",
-    "CudaRuntime",
-    "CudaSegment",
-    "P2PTransport",
-    "PciAddress",
-    "SegmentHandle",
-    "__version__",
-    "load_driver",
-]
+__all__ = ["VENDOR", "CudaDriver", "CudaError", "__version__"]

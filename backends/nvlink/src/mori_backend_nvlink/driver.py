@@ -1,9 +1,10 @@
 """ctypes binding of the CUDA driver API (``libcuda.so.1``), loaded at run time.
 
-Nothing here runs at import. :func:`load_driver` opens the library the first time it is needed
-(``MORI_CUDA_DRIVER_LIBRARY``, default ``libcuda.so.1``), so the wheel has no link-time CUDA
-dependency and imports on any machine. :class:`CudaDriver` wraps any object that has the driver's
-functions as attributes: the real library, or a fake in tests. Each function is bound on first use
+Nothing here runs at import. The vendor's :meth:`~mori.core.gpu.vendor.GpuVendor.load_driver`
+opens the library the first time it is needed (``MORI_CUDA_DRIVER_LIBRARY``, default
+``libcuda.so.1``), so the wheel has no link-time CUDA dependency and imports on any machine.
+:class:`CudaDriver` wraps any object that has the driver's functions as attributes: the real
+library, or a fake in tests. Each function is bound on first use
 with its C prototype; every call is checked, and a result other than ``CUDA_SUCCESS`` raises
 :class:`CudaError` naming the call, the ``CUresult`` name and the driver's description of it.
 
@@ -15,17 +16,13 @@ and the calls alike for CUDA and HIP are :class:`mori.core.gpu.driver.CtypesDriv
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Sequence
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_ubyte, c_uint, c_uint64, c_void_p
 from typing import Any, ClassVar
 
-from mori.core.errors import MoriBackendError
 from mori.core.gpu.driver import CtypesDriver, GpuError, IpcMemHandle
 
-__all__ = ["CudaDriver", "CudaError", "IpcMemHandle", "load_driver"]
-
-DEFAULT_LIBRARY = "libcuda.so.1"
+__all__ = ["CudaDriver", "CudaError"]
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_INVALID_VALUE = 1
@@ -102,19 +99,8 @@ PROTOTYPES: dict[str, Sequence[Any]] = {
     "cuEventQuery": [c_void_p],
     "cuEventSynchronize": [c_void_p],
     "cuEventDestroy_v2": [c_void_p],
-    "cuLaunchKernel": [
-        c_void_p,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_void_p,
-        c_void_p,
-        c_void_p,
-    ],
+    # function, grid x/y/z, block x/y/z, shared bytes, stream, kernel parameters, extra
+    "cuLaunchKernel": [c_void_p, *[c_uint] * 7, c_void_p, c_void_p, c_void_p],
     "cuGetErrorName": [c_int, _P(c_char_p)],
     "cuGetErrorString": [c_int, _P(c_char_p)],
 }
@@ -179,21 +165,6 @@ class CudaDriver(CtypesDriver):
     STREAM_NON_BLOCKING = CU_STREAM_NON_BLOCKING
     EVENT_DISABLE_TIMING = CU_EVENT_DISABLE_TIMING
 
-    def __init__(self, lib: Any, path: str = DEFAULT_LIBRARY) -> None:
-        super().__init__(lib, path)
-
-    def error(self, call: str, code: int, detail: str = "") -> CudaError:
-        return super().error(call, code, detail)  # type: ignore[return-value]
-
-    def _error_text(self, fn: str, code: int) -> str:
-        out = c_char_p()
-        try:
-            if int(self._fn(fn)(code, byref(out))) != CUDA_SUCCESS or not out.value:
-                return ""
-        except MoriBackendError:
-            return ""
-        return out.value.decode(errors="replace")
-
     # -- devices and contexts -----------------------------------------------------------------------
 
     def device(self, ordinal: int) -> int:
@@ -235,33 +206,3 @@ class CudaDriver(CtypesDriver):
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Copy between any two addresses of the unified address space, in stream order."""
         self.call("cuMemcpyAsync", dst, src, nbytes, stream or None)
-
-
-_driver: CudaDriver | None = None
-_driver_lock = threading.Lock()
-
-
-def load_driver(path: str | None = None) -> CudaDriver:
-    """The process's driver binding, loading the library on first use.
-
-    ``path``: library to load (default: ``MORI_CUDA_DRIVER_LIBRARY``, else ``libcuda.so.1``).
-    Raises :class:`~mori.core.errors.MoriBackendError` saying why it cannot be loaded.
-    """
-    global _driver
-    from mori_backend_nvlink.env import MORI_CUDA_DRIVER_LIBRARY
-
-    wanted = path or MORI_CUDA_DRIVER_LIBRARY.get() or DEFAULT_LIBRARY
-    with _driver_lock:
-        if _driver is not None and _driver.path == wanted:
-            return _driver
-        try:
-            lib = ctypes.CDLL(wanted)
-        except OSError as e:
-            missing = "cannot open shared object file" in str(e) or "No such file" in str(e)
-            if missing:
-                raise MoriBackendError(
-                    f"{wanted} not found: no NVIDIA driver on this machine (or set MORI_CUDA_DRIVER_LIBRARY)"
-                ) from None
-            raise MoriBackendError(f"{wanted} cannot be loaded: {e}") from None
-        _driver = CudaDriver(lib, wanted)
-        return _driver

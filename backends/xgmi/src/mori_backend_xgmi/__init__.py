@@ -5,41 +5,23 @@ select it with ``MORI_DEVICE_RUNTIME=hip`` (or ``auto``, where a GPU works). The
 loaded with ctypes when the runtime is first used: importing this package loads neither
 ``libamdhip64.so`` nor torch, and it imports on machines without ROCm.
 
-Public classes: :class:`~mori_backend_xgmi.runtime.HipRuntime` (with ``export_range``,
-``open_range`` and ``copy_engine`` beyond the mori-core contract),
-:class:`~mori_backend_xgmi.transport.XgmiTransport`,
-:class:`~mori_backend_xgmi.copy_engine.CopyEngine` and its
-:class:`~mori_backend_xgmi.copy_engine.CopyTicket`,
-:class:`~mori_backend_xgmi.handles.SegmentHandle`, and the HIP binding
-:class:`~mori_backend_xgmi.driver.HipDriver` with its :class:`~mori_backend_xgmi.driver.HipError`.
+The package is data: :data:`~mori_backend_xgmi.vendor.VENDOR` (a
+:class:`mori.core.gpu.vendor.GpuVendor`, with ``MORI_SHMEM_HEAP_TYPE``) and the HIP binding
+:class:`~mori_backend_xgmi.driver.HipDriver` with its C prototypes and its
+:class:`~mori_backend_xgmi.driver.HipError`. The runtime (``PLUGIN.runtime``, a
+:class:`mori.core.gpu.runtime.GpuRuntime`), the transport and the copy engine are mori-core's.
 """
 
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from mori_backend_xgmi.copy_engine import CopyEngine, CopyTicket
-from mori_backend_xgmi.driver import HipDriver, HipError, load_driver
-from mori_backend_xgmi.handles import PciAddress, SegmentHandle
-from mori_backend_xgmi.runtime import HipPeerSegment, HipRuntime, HipSegment
-from mori_backend_xgmi.transport import XgmiTransport
+from mori_backend_xgmi.driver import HipDriver, HipError
+from mori_backend_xgmi.vendor import VENDOR
 
 try:
     __version__ = version("mori-backend-xgmi")
 except PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0"
 
-__all__ = [
-    "CopyEngine",
-    "CopyTicket",
-    "HipDriver",
-    "HipError",
-    "HipPeerSegment",
-    "HipRuntime",
-    "HipSegment",
-    "PciAddress",
-    "SegmentHandle",
-    "XgmiTransport",
-    "__version__",
-    "load_driver",
-]
+__all__ = ["VENDOR", "HipDriver", "HipError", "__version__"]

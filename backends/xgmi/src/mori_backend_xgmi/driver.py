@@ -1,12 +1,13 @@
 """ctypes binding of the HIP runtime API (``libamdhip64.so``), loaded at run time.
 
-Nothing here runs at import. :func:`load_driver` opens the library the first time it is needed,
-so the wheel has no link-time ROCm dependency and imports on any machine. Which library: the one
-``MORI_HIP_LIBRARY`` names; else a ``libamdhip64.so`` already loaded in the process (a ROCm build
-of torch brings its own, and two HIP runtimes in one process do not share allocations); else the
-dynamic linker's and ``/opt/rocm/lib``'s. :class:`HipDriver` wraps any object that has the API's
-functions as attributes: the real library, or a fake in tests. Every call is checked: a result
-other than ``hipSuccess`` raises :class:`HipError` naming the call, the ``hipError_t`` name and
+Nothing here runs at import. The vendor's :meth:`~mori.core.gpu.vendor.GpuVendor.load_driver`
+opens the library the first time it is needed, so the wheel has no link-time ROCm dependency and
+imports on any machine. Which library: the one ``MORI_HIP_LIBRARY`` names; else a
+``libamdhip64.so`` already loaded in the process (a ROCm build of torch brings its own, and two HIP
+runtimes in one process do not share allocations); else the dynamic linker's and
+``/opt/rocm/lib``'s. :class:`HipDriver` wraps any object that has the API's functions as
+attributes: the real library, or a fake in tests. Every call is checked: a result other than
+``hipSuccess`` raises :class:`HipError` naming the call, the ``hipError_t`` name and
 HIP's description of it.
 
 The methods have the same names and meaning as mori-backend-nvlink's ``CudaDriver``, so one
@@ -17,20 +18,17 @@ alike for CUDA and HIP are :class:`mori.core.gpu.driver.CtypesDriver`'s.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import threading
 from collections.abc import Sequence
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_void_p
 from typing import Any, ClassVar
 
-from mori.core.errors import MoriBackendError
 from mori.core.gpu.driver import CtypesDriver, GpuError, IpcMemHandle
 
-__all__ = ["HipDriver", "HipError", "IpcMemHandle", "load_driver"]
+__all__ = ["HipDriver", "HipError"]
 
-DEFAULT_LIBRARY = "libamdhip64.so"
-_SEARCH = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6", "/opt/rocm/lib/libamdhip64.so")
+#: where the HIP runtime is looked for (after MORI_HIP_LIBRARY and one already loaded)
+LIBRARIES = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6", "/opt/rocm/lib/libamdhip64.so")
 
 HIP_SUCCESS = 0
 HIP_ERROR_NO_DEVICE = 100
@@ -45,25 +43,6 @@ HIP_MEMCPY_DEFAULT = 4  # direction from the unified addresses
 HIP_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 #: hipExtMallocWithFlags: fine-grained, uncached device memory (coherent across GPUs and the host)
 HIP_DEVICE_MALLOC_UNCACHED = 0x3
-
-_RESULT_NAMES = {
-    0: "hipSuccess",
-    1: "hipErrorInvalidValue",
-    2: "hipErrorOutOfMemory",
-    3: "hipErrorNotInitialized",
-    4: "hipErrorDeinitialized",
-    100: "hipErrorNoDevice",
-    101: "hipErrorInvalidDevice",
-    201: "hipErrorInvalidContext",
-    217: "hipErrorPeerAccessUnsupported",
-    400: "hipErrorInvalidHandle",
-    500: "hipErrorNotFound",
-    600: "hipErrorNotReady",
-    700: "hipErrorIllegalAddress",
-    719: "hipErrorLaunchFailure",
-    801: "hipErrorNotSupported",
-    999: "hipErrorUnknown",
-}
 
 
 _P = POINTER
@@ -99,19 +78,8 @@ PROTOTYPES: dict[str, Sequence[Any]] = {
     "hipEventQuery": [c_void_p],
     "hipEventSynchronize": [c_void_p],
     "hipEventDestroy": [c_void_p],
-    "hipModuleLaunchKernel": [
-        c_void_p,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_void_p,
-        c_void_p,
-        c_void_p,
-    ],
+    # function, grid x/y/z, block x/y/z, shared bytes, stream, kernel parameters, extra
+    "hipModuleLaunchKernel": [c_void_p, *[c_uint] * 7, c_void_p, c_void_p, c_void_p],
     "hipGetErrorName": [c_int],
     "hipGetErrorString": [c_int],
 }
@@ -119,6 +87,25 @@ PROTOTYPES: dict[str, Sequence[Any]] = {
 _STRING_RESULT = {"hipGetErrorName", "hipGetErrorString"}
 #: other names to try when a runtime lacks the usual one
 _FALLBACKS = {"hipHostMalloc": ("hipExtHostAlloc", "hipHostAlloc")}
+#: names of the results this backend can meet, for a runtime that cannot name them (or fakes)
+_RESULT_NAMES = {
+    0: "hipSuccess",
+    1: "hipErrorInvalidValue",
+    2: "hipErrorOutOfMemory",
+    3: "hipErrorNotInitialized",
+    4: "hipErrorDeinitialized",
+    100: "hipErrorNoDevice",
+    101: "hipErrorInvalidDevice",
+    201: "hipErrorInvalidContext",
+    217: "hipErrorPeerAccessUnsupported",
+    400: "hipErrorInvalidHandle",
+    500: "hipErrorNotFound",
+    600: "hipErrorNotReady",
+    700: "hipErrorIllegalAddress",
+    719: "hipErrorLaunchFailure",
+    801: "hipErrorNotSupported",
+    999: "hipErrorUnknown",
+}
 
 
 class HipError(GpuError):
@@ -183,21 +170,6 @@ class HipDriver(CtypesDriver):
     MEMCPY_KIND = HIP_MEMCPY_DEFAULT
     CONTEXT_IS_DEVICE = True
 
-    def __init__(self, lib: Any, path: str = DEFAULT_LIBRARY) -> None:
-        super().__init__(lib, path)
-
-    def error(self, call: str, code: int, detail: str = "") -> HipError:
-        return super().error(call, code, detail)  # type: ignore[return-value]
-
-    def _error_text(self, fn: str, code: int) -> str:
-        try:
-            text = self._fn(fn)(code)
-        except MoriBackendError:
-            return ""
-        if not text:
-            return ""
-        return text.decode(errors="replace") if isinstance(text, bytes) else str(text)
-
     # -- devices (the current device plays the part of CUDA's context) ----------------------------
 
     def current_device(self) -> int:
@@ -246,51 +218,3 @@ class HipDriver(CtypesDriver):
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Copy between any two addresses of the unified address space, in stream order."""
         self.call("hipMemcpyAsync", dst, src, nbytes, HIP_MEMCPY_DEFAULT, stream or None)
-
-
-def _loaded_hip() -> str | None:
-    """Path of a libamdhip64 already mapped into this process (torch's own copy, usually)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6 and "/libamdhip64.so" in parts[5]:
-                    return parts[5].strip()
-    except OSError:
-        pass
-    return None
-
-
-_driver: HipDriver | None = None
-_driver_lock = threading.Lock()
-
-
-def load_driver(path: str | None = None) -> HipDriver:
-    """The process's HIP binding, loading the library on first use (see the module docstring).
-
-    Raises :class:`~mori.core.errors.MoriBackendError` saying why it cannot be loaded.
-    """
-    global _driver
-    from mori_backend_xgmi.env import MORI_HIP_LIBRARY
-
-    explicit = path or MORI_HIP_LIBRARY.get()
-    with _driver_lock:
-        if _driver is not None and (explicit is None or _driver.path == explicit):
-            return _driver
-        if explicit is None:
-            with contextlib.suppress(ImportError):  # a ROCm torch loads its own libamdhip64: use that one
-                import torch  # noqa: F401
-        candidates = [explicit] if explicit else [p for p in (_loaded_hip(), *_SEARCH) if p]
-        errors: list[str] = []
-        for candidate in candidates:
-            try:
-                lib = ctypes.CDLL(candidate)
-            except OSError as e:
-                errors.append(str(e))
-                continue
-            _driver = HipDriver(lib, candidate)
-            return _driver
-        if all("cannot open shared object file" in e or "No such file" in e for e in errors):
-            name = explicit or DEFAULT_LIBRARY
-            raise MoriBackendError(f"{name} not found: no ROCm on this machine (or set MORI_HIP_LIBRARY)")
-        raise MoriBackendError(f"{explicit or DEFAULT_LIBRARY} cannot be loaded: {'; '.join(errors)}")

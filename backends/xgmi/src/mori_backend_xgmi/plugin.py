@@ -1,32 +1,14 @@
-"""The plugin module the ``mori.backends`` entry point ``xgmi`` names: its hooks.
+"""The plugin the ``mori.backends`` entry point ``xgmi`` names: :data:`PLUGIN`, mori-core's
+:class:`~mori.core.gpu.vendor.GpuVendorPlugin` over :data:`~mori_backend_xgmi.vendor.VENDOR`
+(the ``hip`` runtime, the ``xgmi`` transport, ``MORI_HIP_LIBRARY`` and ``MORI_SHMEM_HEAP_TYPE``).
 
 Importing it loads neither the HIP runtime nor torch; the runtime does that when used.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from mori.core.gpu.vendor import GpuVendorPlugin
+from mori_backend_xgmi.vendor import VENDOR
 
-from mori.core.backend import DeviceRuntime, Transport
-from mori.core.env import EnvVar
-from mori.core.plugins import hookimpl
-from mori_backend_xgmi import env
-from mori_backend_xgmi.runtime import HipRuntime
-from mori_backend_xgmi.transport import XgmiTransport
-
-_runtime = HipRuntime()
-
-
-@hookimpl
-def mori_device_runtimes() -> Sequence[DeviceRuntime]:
-    return [_runtime]
-
-
-@hookimpl
-def mori_transports() -> Sequence[Transport]:
-    return [XgmiTransport(_runtime)]
-
-
-@hookimpl
-def mori_env_vars() -> Sequence[EnvVar[object]]:
-    return list(env.ALL)
+#: what the entry point names
+PLUGIN = GpuVendorPlugin(VENDOR)

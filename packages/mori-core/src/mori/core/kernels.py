@@ -24,7 +24,9 @@ Each ``@triton.jit`` function is one of two things, and says which:
 (sm_90, sm_100, gfx942, gfx950) and fails on a function that is neither marked nor given variants,
 and on a device function that no kernel calls, so nothing can be skipped silently.
 
-This module does not import Triton: the decorators only attach data to the function object.
+:func:`launch_config` hands a compiled kernel to code that launches it with the driver's own call
+(mori-io's native XGMI queue). This module does not import Triton: the decorators only attach data
+to the function object.
 """
 
 from __future__ import annotations
@@ -33,9 +35,17 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from mori.core.errors import bad_value
+from mori.core.errors import MoriBackendError, bad_value
 
-__all__ = ["AotSpec", "aot", "aot_specs", "aot_variants", "device_function", "is_device_function"]
+__all__ = [
+    "AotSpec",
+    "aot",
+    "aot_specs",
+    "aot_variants",
+    "device_function",
+    "is_device_function",
+    "launch_config",
+]
 
 F = TypeVar("F")
 
@@ -137,3 +147,32 @@ def aot_specs(obj: Any) -> list[AotSpec]:
 def is_device_function(obj: Any) -> bool:
     """Whether ``obj`` (a jitted function, or what wraps one) is marked :func:`device_function`."""
     return any(getattr(layer, _DEVICE_ATTR, False) for layer in _layers(obj))
+
+
+def launch_config(compiled: Any) -> tuple[int, int, int]:
+    """``(driver function handle, threads per program, shared memory bytes)`` of a compiled Triton
+    kernel (what ``kernel.warmup(...)`` returns), loaded into the current context, for a plain
+    driver launch (``cuLaunchKernel`` / ``hipModuleLaunchKernel``). Raises
+    :class:`~mori.core.errors.MoriBackendError` if the kernel needs more than such a launch gives
+    (global or profile scratch memory, clusters, a cooperative or programmatic-dependent launch).
+
+    This is the one place MORI calls a private method of Triton: ``CompiledKernel._init_handles()``,
+    which loads the code object and sets ``function``. Triton has no public call that does this
+    without launching the kernel (its launcher calls it on the first launch), and a driver launch
+    needs the handle before any launch."""
+    md = compiled.metadata
+    for attr, plain in (
+        ("global_scratch_size", 0),
+        ("profile_scratch_size", 0),
+        ("num_ctas", 1),
+        ("launch_cooperative_grid", False),
+        ("launch_pdl", False),
+    ):
+        value = getattr(md, attr, plain)
+        if value != plain:
+            raise MoriBackendError(
+                f"the compiled kernel has {attr}={value!r}: it needs more than a plain launch"
+            )
+    compiled._init_handles()
+    warp = int(getattr(md, "warp_size", 32) or 32)
+    return int(compiled.function), warp * int(md.num_warps), int(md.shared)

@@ -26,7 +26,7 @@ class StagingCopier:
     not use would cost memory there)."""
 
     def __init__(self, native: Any, runtime: Any) -> None:
-        st = runtime._state if runtime._state is not None else runtime._bind()
+        st = runtime.bound_device()
         self.drv = st.drv
         self.devices = {st.index}
         self.native = native.set_gpu_copier(self.drv.native_calls(), {st.index: int(st.ctx)})

@@ -120,26 +120,6 @@ def create_backend(engine: Any, config: Any) -> XgmiBackend:
     return XgmiBackend(desc.key, desc.node_id, find_gpu_runtime(), config.num_streams, config.num_events)
 
 
-def _kernel_launch_config(kernel: Any) -> tuple[int, int, int]:
-    """(driver function handle, threads per program, shared memory bytes) of a compiled Triton
-    kernel, for a plain driver launch; MoriBackendError if it needs more than that (scratch
-    memory, clusters, cooperative or programmatic-dependent launch)."""
-    md = kernel.metadata
-    for attr, plain in (
-        ("global_scratch_size", 0),
-        ("profile_scratch_size", 0),
-        ("num_ctas", 1),
-        ("launch_cooperative_grid", False),
-        ("launch_pdl", False),
-    ):
-        value = getattr(md, attr, plain)
-        if value != plain:
-            raise MoriBackendError(f"the compiled scatter-gather kernel has {attr}={value!r}")
-    kernel._init_handles()
-    warp = int(getattr(md, "warp_size", 32) or 32)
-    return int(kernel.function), warp * int(md.num_warps), int(md.shared)
-
-
 class XgmiBackend:
     """The XGMI data path of one engine (see the module docstring). ``key``/``node_id``: the
     engine's; ``runtime``: the GPU runtime that maps and copies; ``num_streams``/``num_events``:
@@ -175,7 +155,7 @@ class XgmiBackend:
         self._queue: Any = None  # the native XgmiQueue, made with the device state
         self._streams: list[int] = []
         self._tables: list[tuple[int, int, int]] = []  # (host, device, event) of each pinned table
-        self._stream_of: Callable[[int], int] = runtime._torch_current_stream
+        self._stream_of: Callable[[int], int] = runtime.current_stream
         self._closed = False
 
     @property
@@ -207,8 +187,7 @@ class XgmiBackend:
             return self._dev
         with self._lock:
             if self._dev is None:
-                rt = self.runtime
-                st = rt._state if rt._state is not None else rt._bind()
+                st = self.runtime.bound_device()
                 self._queue = self._make_queue(st)
                 self._dev = st
             return self._dev
@@ -240,7 +219,6 @@ class XgmiBackend:
         if "launch_kernel" in calls:
             for word, (function, threads, shared) in self._load_kernels(st).items():
                 queue.set_kernel(word, function, threads, shared)
-        self._stream_of = self._stream_function()
         return queue
 
     def _native_calls(self, drv: Any) -> dict[str, Any]:
@@ -254,6 +232,7 @@ class XgmiBackend:
         try:
             import torch
 
+            from mori.core.kernels import launch_config
             from mori.io import xgmi_kernels
 
             out = {}
@@ -262,25 +241,11 @@ class XgmiBackend:
                     kernel = xgmi_kernels.scatter_gather_kernel.warmup(
                         torch.int64, 1, 1, WORD_BYTES=word, BLOCK=xgmi_kernels.DEFAULT_BLOCK, grid=(1, 1)
                     )
-                    out[word] = _kernel_launch_config(kernel)
+                    out[word] = launch_config(kernel)
             return out
         except Exception as e:  # any failure only costs speed
             _log.warning("XGMI: the scatter-gather kernel is not available, batches use copy engines: %s", e)
             return {}
-
-    def _stream_function(self) -> Callable[[int], int]:
-        """``index -> torch's current stream`` as cheap as it gets (the raw getter when the runtime
-        uses torch's default one)."""
-        from mori.core.gpu.runtime import GpuRuntime
-
-        fn = self.runtime._torch_current_stream
-        if getattr(fn, "__func__", None) is GpuRuntime._torch_current_stream:
-            import torch
-
-            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-            if raw is not None:
-                return raw  # type: ignore[no-any-return]
-        return fn
 
     def _free_device(self, st: Any) -> None:
         drv = st.drv

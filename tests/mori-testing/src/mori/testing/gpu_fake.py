@@ -8,7 +8,8 @@ value) and return result codes; ``fail[name] = code`` makes a function fail and 
 functions (an older driver).
 
 :class:`FakeGpuLib` holds the behaviour; a backend's fake (``FakeCudaLib``, ``FakeHipLib``) names
-its functions in ``FUNCS`` (C name -> operation) and writes the ones whose API differs.
+its driver binding in ``DRIVER`` (the C names of the operations alike for every vendor come from
+its ``NAMES``) and writes the functions whose API differs.
 """
 
 from __future__ import annotations
@@ -20,10 +21,50 @@ import os
 import struct
 from typing import Any, ClassVar
 
+from mori.core.gpu.driver import CtypesDriver
+
 __all__ = ["FakeGpuLib", "FakeWorld", "Mapping", "Memory"]
 
 SUCCESS, INVALID_VALUE, OUT_OF_MEMORY, NO_DEVICE, INVALID_DEVICE = 0, 1, 2, 100, 101
 INVALID_CONTEXT, NOT_FOUND, NOT_READY = 201, 500, 600
+#: the results the fakes describe (and name, with the driver's names; their naming calls fail for
+#: any other, as a real driver's may)
+TEXTS = {
+    INVALID_VALUE: "invalid argument",
+    OUT_OF_MEMORY: "out of memory",
+    NO_DEVICE: "no GPU is detected",
+    INVALID_DEVICE: "invalid device ordinal",
+    INVALID_CONTEXT: "invalid device context",
+    NOT_FOUND: "named symbol not found",
+    NOT_READY: "device not ready",
+}
+#: driver operation (a key of CtypesDriver.NAMES) -> the fake's operation doing it
+OPS = {
+    "init": "op_init",
+    "version": "op_version",
+    "can_access_peer": "op_can_access_peer",
+    "pointer_attribute": "op_pointer_attribute",
+    "synchronize": "op_plain",
+    "free": "op_free",
+    "memset": "op_memset",
+    "address_range": "op_address_range",
+    "memcpy": "op_memcpy",
+    "host_alloc": "op_host_alloc",
+    "host_device_pointer": "op_host_device_pointer",
+    "host_free": "op_host_free",
+    "ipc_get": "op_ipc_get",
+    "ipc_open": "op_ipc_open",
+    "ipc_close": "op_ipc_close",
+    "stream_create": "op_stream_create",
+    "stream_destroy": "op_stream_destroy",
+    "stream_synchronize": "op_plain",
+    "stream_wait_event": "op_plain",
+    "event_create": "op_event_create",
+    "event_record": "op_plain",
+    "event_query": "op_event_query",
+    "event_synchronize": "op_event_synchronize",
+    "event_destroy": "op_event_destroy",
+}
 _IPC = struct.Struct("<8sQQ40x")  # b"fakeipc\0", world allocation id, exporter id
 
 
@@ -74,14 +115,25 @@ class FakeWorld:
 class FakeGpuLib:
     """One process's view of the driver. ``devices``: PCI bus ids of the visible GPUs (ordinal =
     index); ``peer_access``: whether the peer-access query says yes; ``init_result``: what the init
-    call returns. Subclasses set ``PREFIX`` (of the function names), ``FUNCS``, ``DEVICES`` (the
-    default ``devices``), ``VERSION`` (what the version call reports), and :meth:`_alloc_device`."""
+    call returns. Subclasses set ``DRIVER`` (the binding whose C names they answer to), ``PREFIX``
+    (of the function names), ``DEVICES`` (the default ``devices``), ``VERSION`` (what the version
+    call reports), and :meth:`_alloc_device`."""
 
+    DRIVER: ClassVar[type[CtypesDriver]] = CtypesDriver
     PREFIX: ClassVar[str] = ""
+    #: C name -> the fake's operation (from DRIVER.NAMES and OPS)
     FUNCS: ClassVar[dict[str, str]] = {}
     DEVICES: ClassVar[tuple[str, ...]] = ()
     VERSION: ClassVar[int] = 0
     _ids = 0
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls.FUNCS = {cls.DRIVER.NAMES[op]: fake for op, fake in OPS.items()}
+
+    def result_name(self, code: int) -> str | None:
+        """The name the fake's naming call gives ``code``; None: the call fails for it."""
+        return self.DRIVER.RESULT_NAMES.get(code) if code == SUCCESS or code in TEXTS else None
 
     def __init__(
         self,
@@ -125,7 +177,9 @@ class FakeGpuLib:
         self._next += 0x10
         return self._next
 
-    def _enter(self, name: str) -> int:
+    def enter(self, name: str) -> int:
+        """Record a call of the C function ``name`` and return its result: what ``fail`` says, else
+        success (a backend's fake functions start with it)."""
         self.calls.append(name)
         return self.fail.get(name, SUCCESS)
 
@@ -146,28 +200,28 @@ class FakeGpuLib:
     # -- operations (the first argument is the C function's name) --------------------------------
 
     def op_init(self, name: str, flags: int) -> int:
-        return self._enter(name) or self.init_result
+        return self.enter(name) or self.init_result
 
     def op_version(self, name: str, out: Any) -> int:
         out._obj.value = self.VERSION
-        return self._enter(name)
+        return self.enter(name)
 
     def op_plain(self, name: str, *args: Any) -> int:
-        return self._enter(name)
+        return self.enter(name)
 
     def op_can_access_peer(self, name: str, out: Any, device: int, peer: int) -> int:
         out._obj.value = int(self.peer_access)
-        return self._enter(name)
+        return self.enter(name)
 
     def op_pointer_attribute(self, name: str, out: Any, attribute: int, ptr: int) -> int:
         found = self._find(ptr)
         if found is None or attribute != 9:
             return INVALID_VALUE
         out._obj.value = found[2].memory.device
-        return self._enter(name)
+        return self.enter(name)
 
     def op_alloc(self, name: str, out: Any, size: int, flags: int = 0) -> int:
-        rc = self._enter(name)
+        rc = self.enter(name)
         if rc:
             return rc
         device = self._alloc_device()
@@ -179,7 +233,7 @@ class FakeGpuLib:
         return SUCCESS
 
     def op_free(self, name: str, ptr: int) -> int:
-        rc = self._enter(name)
+        rc = self.enter(name)
         if rc:
             return rc
         if ptr not in self.allocs:
@@ -191,7 +245,7 @@ class FakeGpuLib:
 
     def op_memset(self, name: str, ptr: int, value: int, n: int, stream: Any) -> int:
         ctypes.memset(ptr, value, n)
-        return self._enter(name)
+        return self.enter(name)
 
     def op_address_range(self, name: str, base: Any, size: Any, ptr: int) -> int:
         found = self._find(ptr)
@@ -199,10 +253,10 @@ class FakeGpuLib:
             return NOT_FOUND
         base._obj.value = found[1]
         size._obj.value = found[2].memory.size
-        return self._enter(name)
+        return self.enter(name)
 
     def op_memcpy(self, name: str, dst: int, src: int, n: int, stream: Any) -> int:
-        rc = self._enter(name)
+        rc = self.enter(name)
         if rc:
             return rc
         ctypes.memmove(dst, src, n)
@@ -212,18 +266,18 @@ class FakeGpuLib:
         buf = (ctypes.c_uint8 * n)()
         self.host[ctypes.addressof(buf)] = buf
         out._obj.value = ctypes.addressof(buf)
-        return self._enter(name)
+        return self.enter(name)
 
     def op_host_device_pointer(self, name: str, out: Any, ptr: int, flags: int) -> int:
         out._obj.value = ptr
-        return self._enter(name)
+        return self.enter(name)
 
     def op_host_free(self, name: str, ptr: int) -> int:
         self.host.pop(ptr, None)
-        return self._enter(name)
+        return self.enter(name)
 
     def op_ipc_get(self, name: str, handle: Any, ptr: int) -> int:
-        rc = self._enter(name)
+        rc = self.enter(name)
         if rc:
             return rc
         if ptr not in self.allocs:  # only the base of an allocation of this process
@@ -233,7 +287,7 @@ class FakeGpuLib:
         return SUCCESS
 
     def op_ipc_open(self, name: str, out: Any, handle: Any, flags: int) -> int:
-        rc = self._enter(name)
+        rc = self.enter(name)
         if rc:
             return rc
         magic, mid, exporter = _IPC.unpack(bytes(handle))
@@ -248,7 +302,7 @@ class FakeGpuLib:
         return SUCCESS
 
     def op_ipc_close(self, name: str, ptr: int) -> int:
-        rc = self._enter(name)
+        rc = self.enter(name)
         if rc:
             return rc
         m = self.opened.pop(ptr, None)
@@ -261,29 +315,29 @@ class FakeGpuLib:
         s = self._handle()
         self.streams.add(s)
         out._obj.value = s
-        return self._enter(name)
+        return self.enter(name)
 
     def op_stream_destroy(self, name: str, stream: int) -> int:
         self.streams.discard(stream)
-        return self._enter(name)
+        return self.enter(name)
 
     def op_event_create(self, name: str, out: Any, flags: int) -> int:
         e = self._handle()
         self.events.add(e)
         out._obj.value = e
-        return self._enter(name)
+        return self.enter(name)
 
     def op_event_query(self, name: str, event: int) -> int:
-        rc = self._enter(name)
+        rc = self.enter(name)
         return rc or (NOT_READY if event in self.not_ready else SUCCESS)
 
     def op_event_synchronize(self, name: str, event: int) -> int:
         self.not_ready.discard(event)
-        return self._enter(name)
+        return self.enter(name)
 
     def op_event_destroy(self, name: str, event: int) -> int:
         self.events.discard(event)
-        return self._enter(name)
+        return self.enter(name)
 
     def close(self) -> None:
         for _, m in list(self.allocs.values()):

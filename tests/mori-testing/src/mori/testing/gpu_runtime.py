@@ -1,10 +1,10 @@
-"""What the GPU device plugins' tests share: their fixtures and the tests of the runtime, transport
-and copy engine on a fake driver (the real code paths without a GPU).
+"""What the GPU device plugins' tests share: their fixtures and the tests of the runtime, transport,
+copy engine, segment handles and driver binding on a fake driver (the real code paths without a GPU).
 
-A backend's ``conftest.py`` describes itself with a :class:`GpuBackend` (runtime, driver,
-transport, fake library and the names its messages use) in a ``gpu_backend`` fixture, imports the
-fixtures below, and its ``test_runtime.py`` imports the ``test_*`` functions, which pytest then runs
-there. Each fake runtime plays one process of a node (its own pid and fake library, one shared
+A plugin is one :class:`~mori.core.gpu.vendor.GpuVendor` descriptor, so its tests differ only in
+data. A backend's ``conftest.py`` describes itself with a :class:`GpuBackend` (its ``VENDOR``, its
+fake library and what its driver does there) in a ``gpu_backend`` fixture and imports the fixtures
+below; its ``test_runtime.py`` imports the ``test_*`` functions, which pytest then runs there. Each fake runtime plays one process of a node (its own pid and fake library, one shared
 "world"); "device memory" is host memory, so results are checked by reading it. Host atomics run
 the real Triton kernel in the interpreter.
 """
@@ -12,14 +12,18 @@ the real Triton kernel in the interpreter.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
+import importlib
 import importlib.util
 import os
+import re
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -42,11 +46,15 @@ from mori.core.backend import (
 from mori.core.errors import MoriBackendError, MoriStateError, MoriValueError
 from mori.core.gpu import dlpack as _dlpack
 from mori.core.gpu import runtime as gpu_runtime_module
+from mori.core.gpu.driver import CtypesDriver
 from mori.core.gpu.handles import KIND_HEAP, KIND_RANGE, PciAddress
-from mori.core.gpu.runtime import _WORDS, GpuRuntime, _DeviceState, _halves
+from mori.core.gpu.runtime import GpuDevice, GpuRuntime
+from mori.core.gpu.transport import GpuP2PTransport
+from mori.core.gpu.vendor import GpuVendor
 from mori.testing.gpu_fake import FakeGpuLib, FakeWorld
 
 __all__ = [
+    "FakeRuntime",
     "GpuBackend",
     "test_a_gpu_not_visible_here_is_left_to_the_driver",
     "test_atomic_argument_errors_match_the_cpu_runtime",
@@ -55,7 +63,13 @@ __all__ = [
     "test_copy_is_ordered_after_the_current_stream_and_synchronous",
     "test_driver_failures_surface_as_backend_errors",
     "test_export_a_sub_range_and_open_it_in_another_process",
+    "test_a_missing_function_says_the_driver_is_too_old",
+    "test_event_query_distinguishes_not_ready_from_errors",
     "test_export_range_errors",
+    "test_failed_calls_name_the_call_and_the_result",
+    "test_foreign_or_corrupt_handles_are_refused_clearly",
+    "test_handle_round_trip",
+    "test_library_lookup",
     "test_fence_synchronises_the_context_and_access_needs_a_device",
     "test_native_calls_hand_over_the_c_functions_and_the_conventions",
     "test_heap_segment_is_aligned_zeroed_and_exported",
@@ -76,27 +90,17 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class GpuBackend:
-    """What the shared tests need to know of one GPU plugin; the rest they read from its classes
-    (the runtime's names and messages, the driver's ``NAMES``)."""
+    """What the shared tests need to know of one GPU plugin beyond its descriptor (the vendor's
+    names and messages, the driver's ``NAMES``): its fake library and what its driver does there."""
 
-    #: the plugin's runtime, driver binding and transport classes
-    runtime_class: type[GpuRuntime]
-    driver_class: Any
-    transport_class: Callable[..., Any]
+    #: the plugin's descriptor (its ``VENDOR``)
+    vendor: GpuVendor
     #: the fake library class (a FakeGpuLib)
     fake_lib: type[FakeGpuLib]
-    #: the real library's name and what probe() says when it is missing
-    library: str
-    missing_why: str
-    #: probe()'s reason when no device is counted
+    #: probe()'s reason when the fake counts no device
     no_devices_reason: str
-    #: a runtime name that is not this plugin's
-    other_runtime: str
-    #: C functions the driver class calls itself: the heap's allocation, the copy
+    #: the C function the heap is allocated with (by default)
     heap_alloc_call: str
-    memcpy_call: str
-    #: the calls that make the GPU current (left out when checking call sequences)
-    context_calls: tuple[str, ...]
     #: what a failed copy's error says (a regex)
     memcpy_failure: str
     #: what the driver's native_calls() reports for native code: (memcpy_kind, context_is_device,
@@ -104,19 +108,37 @@ class GpuBackend:
     native_conventions: tuple[int, bool, bool] = (-1, False, False)
 
     @property
+    def driver_class(self) -> type[CtypesDriver]:
+        return self.vendor.driver_class
+
+    @property
+    def library(self) -> str:
+        """The real library's (first) name."""
+        return self.vendor.libraries[0]
+
+    @property
     def fake_path(self) -> str:
         """The path the fake runtimes' driver names."""
         return f"fake-{self.library}"
 
+    def runtime(self, load: Callable[[], Any]) -> GpuRuntime:
+        """The plugin's runtime on the driver ``load`` returns."""
+        return GpuRuntime(self.vendor, load)
+
+    def transport(self, runtime: GpuRuntime) -> GpuP2PTransport:
+        """The plugin's same-node transport over ``runtime``."""
+        return GpuP2PTransport(runtime)
+
     @property
     def usable_reason(self) -> str:
         """probe()'s reason on the fake library, ``libfake.so``."""
-        return self.runtime_class()._available(2, self.fake_lib.VERSION, "libfake.so")
+        v = self.vendor
+        return v.available.format(count=2, version=v.version_text(self.fake_lib.VERSION), path="libfake.so")
 
     @property
     def no_peer_access(self) -> str:
         """What can_reach says without peer access between the fake's GPUs 1 and 0."""
-        return self.runtime_class()._no_peer_access(1, 0)
+        return f"{self.vendor.peer_access_query.format(index=1, other=0)} = 0"
 
     def call(self, op: str) -> str:
         """The C function of the driver operation ``op``."""
@@ -124,62 +146,88 @@ class GpuBackend:
 
     @property
     def no_gpu_reason(self) -> str:
-        rt = self.runtime_class
-        return f"no {rt.gpu_noun} ({self.call('init')}: {rt.no_device_result})"
+        v = self.vendor
+        return f"no {v.gpu_noun} ({self.call('init')}: {v.no_device_result})"
 
     @property
     def copy_calls(self) -> list[str]:
         """The calls of one host copy, in order."""
-        names = ("event_record", "stream_wait_event")
-        return [*map(self.call, names), self.memcpy_call, self.call("stream_synchronize")]
+        names = ("event_record", "stream_wait_event", "memcpy", "stream_synchronize")
+        return [*map(self.call, names)]
 
-    def torch_build_ok(self, torch: Any) -> bool:
-        return self.runtime_class()._torch_build_ok(torch)
+    @property
+    def context_calls(self) -> tuple[str, str]:
+        """The calls that make the GPU current (left out when checking call sequences)."""
+        return self.call("get_context"), self.call("set_context")
 
 
-def fake_runtime_class(backend: GpuBackend) -> type[GpuRuntime]:
-    """The plugin's runtime on a fake driver: what needs torch.cuda (current device and stream,
-    views, the kernel launch) is done on the CPU instead; everything else is the real code."""
+class FakeRuntime(GpuRuntime):
+    """A plugin's runtime on a fake driver library ``lib`` (see :class:`GpuBackend`): what needs
+    torch.cuda (current device and stream, views, the kernel launch) is done on the CPU instead;
+    everything else is the real code. ``device``: the torch device index it plays; ``pid``: the
+    process id it plays (default: this one's); ``kernels``: the host-atomic kernel module compiled for
+    the interpreter (:func:`interpreted_atomics`), needed for atomics."""
 
-    class FakeRuntime(backend.runtime_class):  # type: ignore[name-defined,misc]
-        def __init__(self, lib: Any, *, device: int = 0, pid: int | None = None, kernels: Any = None) -> None:
-            super().__init__(load=lambda: backend.driver_class(lib, backend.fake_path))
-            self.lib = lib
-            self.device = device
-            self.kernels = kernels
-            self._pid_override = pid
+    def __init__(
+        self, backend: GpuBackend, lib: Any, *, device: int = 0, pid: int | None = None, kernels: Any = None
+    ) -> None:
+        # views are CPU tensors: "device memory" is host memory
+        vendor = dataclasses.replace(backend.vendor, dlpack_device=_dlpack.KDL_CPU)
+        super().__init__(vendor, load=lambda: backend.driver_class(lib, backend.fake_path))
+        self.lib = lib
+        self.device = device
+        self.kernels = kernels
+        self._fake_pid = pid
 
-        def _torch_device_index(self) -> int:
-            return self.device
+    @property
+    def pid(self) -> int:
+        return self._fake_pid or os.getpid()
 
-        def _torch_current_stream(self, index: int) -> int:
-            return 0
+    def current_device_index(self) -> int:
+        return self.device
 
-        def _view(self, addr: int, nbytes: int, index: int) -> Any:
-            return _dlpack.byte_view(addr, nbytes, _dlpack.KDL_CPU, 0)
+    def current_stream(self, index: int) -> int:
+        return 0
 
-        def _launch_atomic(
-            self, st: _DeviceState, addr: int, word: int, op: int, value: int, cond: int
-        ) -> None:
-            import torch
+    def launch_atomic(
+        self, st: GpuDevice, addr: int, dtype: str, op: int, operands: tuple[int, int, int, int]
+    ) -> None:
+        import torch
 
-            assert self.kernels is not None, "pass kernels=interpreted_atomics to use atomics"
-            name, size = _WORDS[word][0], _WORDS[word][1]
-            dtype = getattr(torch, name)
+        assert self.kernels is not None, "pass kernels=interpreted_atomics to use atomics"
+        torch_dtype = getattr(torch, dtype)
+        size = torch.empty(0, dtype=torch_dtype).element_size()
 
-            def word_at(a: int) -> Any:
-                return torch.frombuffer((ctypes.c_uint8 * size).from_address(a), dtype=torch.uint8).view(
-                    dtype
-                )
-
-            lo, hi = _halves(value)
-            clo, chi = _halves(cond)
-            self.kernels.host_atomic_kernel[(1,)](
-                word_at(addr), word_at(st.pinned_device), lo, hi, clo, chi, OP=op
+        def word_at(a: int) -> Any:
+            return torch.frombuffer((ctypes.c_uint8 * size).from_address(a), dtype=torch.uint8).view(
+                torch_dtype
             )
 
-    FakeRuntime.__qualname__ = FakeRuntime.__name__ = f"Fake{backend.runtime_class.__name__}"
-    return FakeRuntime
+        self.kernels.host_atomic_kernel[(1,)](word_at(addr), word_at(st.pinned_device), *operands, OP=op)
+
+
+def backend_fixture(package: str, tests: Path, fake: str, **fields: Any) -> Any:
+    """The session fixture ``gpu_backend`` of a plugin's ``conftest.py``: a :class:`GpuBackend` of
+    the ``VENDOR`` of ``package`` (from the plugin's ``src`` next to ``tests`` when it is not
+    installed), its fake library the class ``fake`` (``"_fake_cuda.py:FakeCudaLib"``) of a file in
+    ``tests``, and the other :class:`GpuBackend` fields."""
+    source_tree(package, tests.parent / "src")
+
+    @pytest.fixture(scope="session")
+    def gpu_backend() -> GpuBackend:
+        file, cls = fake.split(":")
+        module = load_module_file(f"{package}_tests_{Path(file).stem}", str(tests / file))
+        vendor = importlib.import_module(package).VENDOR
+        return GpuBackend(vendor=vendor, fake_lib=getattr(module, cls), **fields)
+
+    return gpu_backend
+
+
+def source_tree(package: str, src: Path) -> None:
+    """Put ``src`` on the import path when ``package`` is not installed (a plugin's tests run from
+    a bare checkout too); the installed package wins otherwise."""
+    if importlib.util.find_spec(package) is None:
+        sys.path.insert(0, str(src))
 
 
 def load_module_file(name: str, path: str) -> ModuleType:
@@ -223,7 +271,6 @@ def load_interpreted(module: str, alias: str) -> ModuleType:
 def runtimes(gpu_backend: GpuBackend) -> Iterator[Make]:
     """Make fake runtimes: ``make(device=0, pid=None, world=None, **lib_kwargs)``. Runtimes made
     with the same ``world`` are processes of one node; give them different ``pid``s."""
-    runtime_class = fake_runtime_class(gpu_backend)
     made: list[Any] = []
     worlds: list[Any] = []
 
@@ -235,7 +282,7 @@ def runtimes(gpu_backend: GpuBackend) -> Iterator[Make]:
             worlds.append(world)
         lib = gpu_backend.fake_lib(world, **kw)
         made.append(lib)
-        return runtime_class(lib, device=device, pid=pid, kernels=kernels)  # type: ignore[call-arg]
+        return FakeRuntime(gpu_backend, lib, device=device, pid=pid, kernels=kernels)
 
     yield make
     for lib in made:
@@ -284,7 +331,7 @@ def test_native_calls_hand_over_the_c_functions_and_the_conventions(gpu_backend:
     labs = ctypes.cast(libc["labs"], ctypes.c_void_p).value
     get_context, set_context = gpu_backend.context_calls
     for key, name in {
-        "memcpy_async": gpu_backend.memcpy_call,
+        "memcpy_async": gpu_backend.call("memcpy"),
         "get_context": get_context,
         "set_context": set_context,
         "launch_kernel": gpu_backend.call("launch_kernel"),
@@ -314,30 +361,30 @@ def test_probe_reports_why_it_cannot_work(gpu_backend: GpuBackend) -> None:
     library = b.library
 
     def missing() -> Any:
-        raise MoriBackendError(f"{library} not found: {b.missing_why}")
+        raise MoriBackendError(f"{library} not found: {b.vendor.missing}")
 
-    assert b.runtime_class(load=missing).probe().reason.startswith(f"{library} not found")
+    assert b.runtime(missing).probe().reason.startswith(f"{library} not found")
     no_gpu = b.fake_lib(init_result=100)
-    avail = b.runtime_class(load=lambda: b.driver_class(no_gpu)).probe()
+    avail = b.runtime(lambda: b.driver_class(no_gpu, "fake")).probe()
     assert not avail.usable and avail.reason == b.no_gpu_reason
     none = b.fake_lib(devices=())
-    assert b.runtime_class(load=lambda: b.driver_class(none)).probe().reason == b.no_devices_reason
+    assert b.runtime(lambda: b.driver_class(none, "fake")).probe().reason == b.no_devices_reason
 
     def broken() -> Any:
         raise RuntimeError("boom")
 
-    assert b.runtime_class(load=broken).probe().reason == "RuntimeError: boom"  # never raises
+    assert b.runtime(broken).probe().reason == "RuntimeError: boom"  # never raises
 
 
 def test_probe_with_a_gpu_checks_torch_and_triton(gpu_backend: GpuBackend) -> None:
     import torch
 
     b = gpu_backend
-    avail = b.runtime_class(load=lambda: b.driver_class(b.fake_lib(), "libfake.so")).probe()
-    if not b.torch_build_ok(torch):
+    avail = b.runtime(lambda: b.driver_class(b.fake_lib(), "libfake.so")).probe()
+    if not b.vendor.torch_build_ok(torch):
         assert (
             not avail.usable
-            and avail.reason == f"torch {torch.__version__} is not a {b.runtime_class.torch_flavour} build"
+            and avail.reason == f"torch {torch.__version__} is not a {b.vendor.torch_flavour} build"
         )
     else:
         assert avail.usable and avail.reason == b.usable_reason
@@ -351,7 +398,7 @@ def test_heap_segment_is_aligned_zeroed_and_exported(runtimes: Make, gpu_backend
     seg = rt.create_segment(4 * MiB, "t.0")
     assert seg.addr % (2 * MiB) == 0 and seg.size == 4 * MiB
     assert _bytes(seg.addr, 4096) == bytes(4096) and _bytes(seg.addr + 4 * MiB - 64, 64) == bytes(64)
-    h = gpu_backend.runtime_class.handle_class.unpack(seg.handle)
+    h = gpu_backend.vendor.handle_class.unpack(seg.handle)
     assert (h.kind, h.pid, h.ordinal, h.pci, h.addr, h.size) == (
         KIND_HEAP,
         1000,
@@ -372,7 +419,7 @@ def test_only_the_static_heap_is_supported(
     monkeypatch.setenv("MORI_SHMEM_MODE", "vmm_heap")
     with pytest.raises(
         MoriValueError,
-        match=rf"MORI_SHMEM_MODE='vmm_heap' is not supported by the {gpu_backend.runtime_class.name} runtime",
+        match=rf"MORI_SHMEM_MODE='vmm_heap' is not supported by the {gpu_backend.vendor.runtime} runtime",
     ):
         runtimes().create_segment(4 * MiB, "t.0")
 
@@ -416,7 +463,7 @@ def test_opening_a_foreign_handle_fails_clearly(runtimes: Make, gpu_backend: Gpu
     class CpuSegment:
         handle = b"/mori-heap.77.abc.1"
 
-    package = gpu_backend.runtime_class.package
+    package = gpu_backend.vendor.distribution
     with pytest.raises(MoriValueError, match=f"the heap handle of PE 1 is not a {package} handle"):
         rt.open_peer_segment(_peer(1, CpuSegment()))
 
@@ -424,13 +471,13 @@ def test_opening_a_foreign_handle_fails_clearly(runtimes: Make, gpu_backend: Gpu
 def test_transport_connects_only_what_load_store_reaches(
     runtimes: Make, world: Any, gpu_backend: GpuBackend
 ) -> None:
-    peer = functools.partial(_peer, runtime=gpu_backend.runtime_class.name)
+    peer = functools.partial(_peer, runtime=gpu_backend.vendor.runtime)
     a = runtimes(pid=1000, device=0, world=world)
     b = runtimes(pid=1001, device=1, world=world, peer_access=False)
     c = runtimes(pid=1002, device=0, world=world)
     sa, sb, sc = (r.create_segment(4 * MiB, f"t.{i}") for i, r in enumerate((a, b, c)))
     me_a, me_b, me_c = peer(0, sa), peer(1, sb), peer(2, sc)
-    t = gpu_backend.transport_class(a)
+    t = gpu_backend.transport(a)
     # same node, same GPU (two ranks sharing one): mapped
     assert a.can_reach(me_c) == (True, "same GPU")
     seg = t.connect(a, me_a, me_c)
@@ -439,10 +486,10 @@ def test_transport_connects_only_what_load_store_reaches(
     assert a.can_reach(me_b) == (True, f"peer access to GPU {gpu_backend.fake_lib.DEVICES[1]}")
     assert t.connect(a, me_a, me_b) is not None
     # without peer access, another node, another runtime: not this transport's peer
-    tb = gpu_backend.transport_class(b)
+    tb = gpu_backend.transport(b)
     assert tb.connect(b, me_b, me_a) is None and gpu_backend.no_peer_access in tb.unreachable[0]
     assert t.connect(a, me_a, peer(2, sc, node="node-b")) is None and "node-b" in t.unreachable[2]
-    assert t.connect(a, me_a, peer(2, sc, runtime=gpu_backend.other_runtime)) is None
+    assert t.connect(a, me_a, peer(2, sc, runtime="another")) is None
 
     class Other:
         name = "cpu"
@@ -453,17 +500,17 @@ def test_transport_connects_only_what_load_store_reaches(
 def test_a_gpu_not_visible_here_is_left_to_the_driver(
     runtimes: Make, world: Any, gpu_backend: GpuBackend
 ) -> None:
-    peer = functools.partial(_peer, runtime=gpu_backend.runtime_class.name)
+    peer = functools.partial(_peer, runtime=gpu_backend.vendor.runtime)
     a = runtimes(pid=1000, device=0, world=world, devices=gpu_backend.fake_lib.DEVICES[:1])
     b = runtimes(pid=1001, device=1, world=world)
     sa, sb = a.create_segment(4 * MiB, "t.0"), b.create_segment(4 * MiB, "t.1")
     ok, why = a.can_reach(peer(1, sb))
     assert ok and "not visible" in why
-    seg = gpu_backend.transport_class(a).connect(a, peer(0, sa), peer(1, sb))
+    seg = gpu_backend.transport(a).connect(a, peer(0, sa), peer(1, sb))
     assert seg is not None
     seg.close()
     a.lib.fail[gpu_backend.call("ipc_open")] = 217
-    t = gpu_backend.transport_class(a)
+    t = gpu_backend.transport(a)
     assert t.connect(a, peer(0, sa), peer(1, sb)) is None and "could not map it" in t.unreachable[1]
 
 
@@ -476,12 +523,12 @@ def test_export_a_sub_range_and_open_it_in_another_process(
     a = runtimes(pid=1000, device=0, world=world)
     b = runtimes(pid=1001, device=1, world=world)
     a.create_segment(4 * MiB, "t.0")
-    st = a._state
+    st = a.bound_device()
     with st.active():
         tensor = st.drv.mem_alloc(1 * MiB)  # what torch's allocator would hand out
     _fill(tensor + 12345, bytes(range(200)))
     handle = a.export_range(tensor + 12345, 200)
-    h = gpu_backend.runtime_class.handle_class.unpack(handle)
+    h = gpu_backend.vendor.handle_class.unpack(handle)
     assert (h.kind, h.offset, h.size, h.addr, h.pid) == (KIND_RANGE, 12345, 200, tensor + 12345, 1000)
     seg = b.open_range(handle)  # b had no heap yet: binds to its device
     assert seg.size == 200 and _bytes(seg.addr, 200) == bytes(range(200))
@@ -498,13 +545,14 @@ def test_export_a_sub_range_and_open_it_in_another_process(
 def test_export_range_errors(runtimes: Make, gpu_backend: GpuBackend) -> None:
     rt = runtimes(pid=1000)
     seg = rt.create_segment(4 * MiB, "t.0")
-    with rt._state.active():
-        tensor = rt._state.drv.mem_alloc(4096)
+    st = rt.bound_device()
+    with st.active():
+        tensor = st.drv.mem_alloc(4096)
     with pytest.raises(MoriValueError, match=r"\[0x[0-9a-f]+, \+16\) runs past the end of its allocation"):
         rt.export_range(tensor + 4088, 16)
     host = (ctypes.c_uint8 * 64)()
     with pytest.raises(
-        MoriValueError, match=f"is not GPU memory allocated with {gpu_backend.runtime_class.alloc_functions}"
+        MoriValueError, match=f"is not GPU memory allocated with {gpu_backend.vendor.alloc_functions}"
     ):
         rt.export_range(ctypes.addressof(host), 64)
     with pytest.raises(MoriValueError, match="size=0"):
@@ -512,7 +560,7 @@ def test_export_range_errors(runtimes: Make, gpu_backend: GpuBackend) -> None:
     with pytest.raises(MoriValueError, match="not an exported range"):
         rt.open_range(seg.handle)
     rt.lib.fail[gpu_backend.call("ipc_get")] = 1
-    with pytest.raises(MoriBackendError, match=f"cannot be shared with {gpu_backend.runtime_class.ipc_name}"):
+    with pytest.raises(MoriBackendError, match=f"cannot be shared with {gpu_backend.vendor.ipc_name}"):
         rt.export_range(seg.addr, 64)
 
 
@@ -646,7 +694,7 @@ def test_fence_synchronises_the_context_and_access_needs_a_device(
     rt = runtimes()
     rt.fence()  # nothing to order yet
     with pytest.raises(
-        MoriStateError, match=f"byte_view: the {gpu_backend.runtime_class.name} runtime has no device yet"
+        MoriStateError, match=f"byte_view: the {gpu_backend.vendor.runtime} runtime has no device yet"
     ):
         rt.byte_view(4096, 8)
     rt.create_segment(4 * MiB, "t.0")
@@ -658,8 +706,8 @@ def test_fence_synchronises_the_context_and_access_needs_a_device(
 def test_driver_failures_surface_as_backend_errors(runtimes: Make, gpu_backend: GpuBackend) -> None:
     rt = runtimes()
     seg = rt.create_segment(4 * MiB, "t.0")
-    rt.lib.fail[gpu_backend.memcpy_call] = 700
-    with pytest.raises(gpu_backend.runtime_class.error_class, match=gpu_backend.memcpy_failure):
+    rt.lib.fail[gpu_backend.call("memcpy")] = 700
+    with pytest.raises(gpu_backend.vendor.error_class, match=gpu_backend.memcpy_failure):
         rt.copy(seg.addr, seg.addr + 64, 8)
 
 
@@ -675,7 +723,7 @@ def test_copy_engine_round_robin_tickets_and_quiet(runtimes: Make, gpu_backend: 
     tickets = [engine.copy_async(seg.addr + 4096 * (i + 1), seg.addr, 256) for i in range(5)]
     assert [t.stream for t in tickets] == [0, 1, 2, 3, 0]
     assert all(_bytes(seg.addr + 4096 * (i + 1), 256) == bytes(range(256)) for i in range(5))
-    rt.lib.not_ready.add(tickets[0]._event)
+    rt.lib.not_ready.update(rt.lib.events)  # every copy still in flight
     assert not tickets[0].done()
     tickets[0].wait()
     assert tickets[0].completed and tickets[0].done()
@@ -698,3 +746,110 @@ def test_copy_engine_round_robin_tickets_and_quiet(runtimes: Make, gpu_backend: 
     engine.close()
     with pytest.raises(MoriStateError, match="closed"):
         engine.copy_async(seg.addr + 64, seg.addr, 8)
+
+
+# -- segment handles -----------------------------------------------------------------------------------
+
+
+def _handle(gpu_backend: GpuBackend, **kw: Any) -> Any:
+    fields: dict[str, Any] = {
+        "kind": KIND_RANGE,
+        "pid": 4_000_000_000,
+        "ordinal": 7,
+        "pci": PciAddress.parse(gpu_backend.fake_lib.DEVICES[0].upper()),
+        "addr": 0x7F00_1234_5000,
+        "offset": 12345,
+        "size": 2**40 + 3,
+        "ipc": bytes(range(gpu_backend.vendor.ipc_handle_size)),
+    }
+    fields.update(kw)
+    return gpu_backend.vendor.handle_class(**fields)
+
+
+def test_handle_round_trip(gpu_backend: GpuBackend) -> None:
+    cls = gpu_backend.vendor.handle_class
+    h = _handle(gpu_backend)
+    data = h.pack()
+    assert len(data) == cls.SIZE == 112 and data[:4] == gpu_backend.vendor.handle_magic
+    assert cls.unpack(data) == h and cls.unpack(bytearray(data)) == h
+    assert cls.unpack(_handle(gpu_backend, kind=KIND_HEAP, offset=0).pack()).kind == KIND_HEAP
+
+
+def test_foreign_or_corrupt_handles_are_refused_clearly(gpu_backend: GpuBackend) -> None:
+    cls = gpu_backend.vendor.handle_class
+    package = gpu_backend.vendor.distribution
+    with pytest.raises(MoriValueError, match=rf"PE 3's heap is not a {package} handle.*b'/mor'"):
+        cls.unpack(b"/mori-heap.123.abc.3", what="PE 3's heap")  # a cpu rank's heap name
+    with pytest.raises(MoriValueError, match=rf"not a {package} handle.*b'MGPU'"):
+        cls.unpack(b"MGPU" + bytes(cls.SIZE - 4))  # another vendor's magic
+    newer = bytearray(_handle(gpu_backend).pack())
+    newer[4] = 9
+    with pytest.raises(MoriValueError, match="format version 9"):
+        cls.unpack(bytes(newer))
+    odd = bytearray(_handle(gpu_backend).pack())
+    odd[5] = 5
+    with pytest.raises(MoriValueError, match="unknown kind 5"):
+        cls.unpack(bytes(odd))
+    with pytest.raises(MoriValueError, match="expected bytes"):
+        cls.unpack("MNVL")
+    with pytest.raises(MoriValueError, match="63 bytes"):
+        _handle(gpu_backend, ipc=b"x" * 63).pack()
+
+
+# -- the driver binding --------------------------------------------------------------------------------
+
+
+def test_failed_calls_name_the_call_and_the_result(gpu_backend: GpuBackend) -> None:
+    drv = gpu_backend.driver_class(gpu_backend.fake_lib(), "fake")
+    sync = gpu_backend.call("synchronize")
+    drv.lib.fail[sync] = 2
+    with pytest.raises(gpu_backend.vendor.error_class) as info:
+        drv.synchronize()
+    e = info.value
+    name = gpu_backend.driver_class.RESULT_NAMES[2]
+    assert str(e) == f"{sync} failed: {name} (2): out of memory"
+    assert (e.call, e.code, e.result) == (sync, 2, name) and isinstance(e, MoriBackendError)
+    drv.lib.fail[sync] = 12345  # a code neither the driver nor MORI can name
+    with pytest.raises(gpu_backend.vendor.error_class, match=rf"^{sync} failed: .* \(12345\): "):
+        drv.synchronize()
+
+
+def test_a_missing_function_says_the_driver_is_too_old(gpu_backend: GpuBackend) -> None:
+    lib = gpu_backend.fake_lib()
+    lib.hide.add(gpu_backend.call("event_create"))
+    drv = gpu_backend.driver_class(lib, "fake")
+    with pytest.raises(
+        MoriBackendError,
+        match=f"fake has no function {gpu_backend.call('event_create')}: {re.escape(drv.TOO_OLD)}",
+    ):
+        drv.event_create()
+
+
+def test_event_query_distinguishes_not_ready_from_errors(gpu_backend: GpuBackend) -> None:
+    lib = gpu_backend.fake_lib()
+    drv = gpu_backend.driver_class(lib, "fake")
+    ev = drv.event_create()
+    assert drv.event_query(ev)
+    lib.not_ready.add(ev)
+    assert not drv.event_query(ev)
+    lib.fail[gpu_backend.call("event_query")] = 400
+    with pytest.raises(gpu_backend.vendor.error_class, match=f"{gpu_backend.call('event_query')} failed"):
+        drv.event_query(ev)
+
+
+def test_library_lookup(gpu_backend: GpuBackend, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    vendor = dataclasses.replace(gpu_backend.vendor)  # a fresh cache of loaded drivers
+    env = vendor.library_env.name
+    missing = str(tmp_path / gpu_backend.library)
+    monkeypatch.setenv(env, missing)
+    with pytest.raises(MoriBackendError, match=rf"{missing} not found: {vendor.missing} \(or set {env}\)"):
+        vendor.load_driver()
+    garbage = tmp_path / "garbage.so"
+    garbage.write_bytes(b"not an ELF file")
+    monkeypatch.setenv(env, str(garbage))
+    with pytest.raises(MoriBackendError, match=r"garbage\.so cannot be loaded"):
+        vendor.load_driver()
+    monkeypatch.setenv(env, "libc.so.6")  # any library loads; driver calls would fail later
+    drv = vendor.load_driver()
+    assert isinstance(drv, vendor.driver_class) and drv.path == "libc.so.6"
+    assert vendor.load_driver() is drv, "loaded once per process"

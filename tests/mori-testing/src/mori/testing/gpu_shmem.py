@@ -1,10 +1,11 @@
-"""What the GPU device plugins' GPU tests share: the SHMEM host API on GPU memory and the Triton
-device API, across processes, on real GPUs.
+"""The GPU tests of the SHMEM host API on GPU memory and the Triton device API, across processes,
+on real GPUs, whichever vendor's: the runtime is the installed device plugin's that serves this
+machine's torch (:func:`machine_gpu_runtime`: ``cuda`` on NVIDIA GPUs, ``hip`` on AMD ones).
 
-A backend's ``test_gpu.py`` sets its marker (``pytestmark``), describes itself with a
-:class:`GpuShmemBackend` in a ``gpu_shmem`` fixture and imports the ``test_*`` functions, which
-pytest then runs there; each skips (with the reason) where torch sees no usable GPU or fewer than it
-needs. The backend must be installed (its entry point is how ranks find the runtime).
+A test module marked ``gpu`` gives a :class:`GpuShmemBackend` in a ``gpu_shmem`` fixture
+(:func:`machine_backend`) and imports the ``test_*`` functions, which pytest then runs there; each
+skips (with the reason) where torch sees no GPU or fewer than it needs, and fails where a GPU is
+there but no installed plugin serves it.
 
 Every rank selects its GPU before ``shmem_init`` (``before_init=_set_device``): rank r uses GPU
 ``r % GPUS``, so 4 and 8 ranks on 2 GPUs put several ranks on one GPU. Rank functions are module
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,8 @@ from mori.testing import shmem_ranks
 
 __all__ = [
     "GpuShmemBackend",
+    "machine_backend",
+    "machine_gpu_runtime",
     "test_atomics_waits_and_barriers",
     "test_device_api_atomics_on_two_gpus",
     "test_device_api_put_get_on_two_gpus",
@@ -52,37 +54,55 @@ CONFIGS = [
 
 @dataclass(frozen=True)
 class GpuShmemBackend:
-    """What the shared GPU tests need to know of one GPU plugin."""
+    """What the GPU tests need to know: the device runtime's name (``MORI_DEVICE_RUNTIME``), the test
+    kernels over the device API (packages/mori-core/tests/_device_kernels.py) and the environment
+    every rank of the exported-range test gets in addition (allocator settings)."""
 
-    #: the device runtime's name (MORI_DEVICE_RUNTIME), the entry point's, the backend's directory
     runtime: str
-    entry_point: str
-    directory: str
-    #: why the tests cannot run with this torch (None: they can); called with the torch module
-    torch_unusable: Callable[[Any], str | None]
-    #: mori-core's test kernels over the device API (packages/mori-core/tests/_device_kernels.py)
     kernels: Path
-    #: environment every rank gets in addition (e.g. allocator settings of the exported-range test)
     export_env: dict[str, str]
 
 
-def _need(backend: GpuShmemBackend, gpus: int) -> None:
+#: torch's caching allocator must hand out plain allocations for export_range (CUDA and ROCm names)
+EXPORT_ENV = {
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False",
+    "PYTORCH_HIP_ALLOC_CONF": "expandable_segments:False",
+}
+
+
+def machine_gpu_runtime() -> str:
+    """The name of the installed GPU device runtime that serves this machine's torch (its vendor's
+    build, ``torch.cuda.is_available()``); skips the test where torch sees no GPU, fails it where no
+    installed device plugin serves the one it sees."""
     try:
         import torch
     except ImportError:
         pytest.skip("torch is not installed")
-    why = backend.torch_unusable(torch)
-    if why is not None:
-        pytest.skip(why)
+    if not torch.cuda.is_available():
+        pytest.skip(f"needs a GPU: torch {torch.__version__} has torch.cuda.is_available() = False")
+    from mori.core.gpu.runtime import GpuRuntime
+    from mori.core.plugins import get_plugins
+
+    found = [f.backend for f in get_plugins().runtimes() if isinstance(f.backend, GpuRuntime)]
+    for rt in found:
+        if rt.vendor.torch_build_ok(torch):
+            return rt.name
+    names = ", ".join(f"{rt.name} ({rt.package})" for rt in found) or "none"
+    pytest.fail(
+        f"no installed GPU device plugin serves torch {torch.__version__}; installed GPU runtimes: {names}"
+    )
+
+
+def machine_backend(kernels: Path) -> GpuShmemBackend:
+    """The :class:`GpuShmemBackend` of this machine (:func:`machine_gpu_runtime`)."""
+    return GpuShmemBackend(runtime=machine_gpu_runtime(), kernels=kernels, export_env=EXPORT_ENV)
+
+
+def _need(gpus: int) -> None:
+    import torch
+
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs, torch sees {torch.cuda.device_count()}")
-    from importlib.metadata import entry_points
-
-    if not any(ep.name == backend.entry_point for ep in entry_points(group="mori.backends")):
-        pytest.fail(
-            f"mori-backend-{backend.entry_point} is not installed (no {backend.entry_point!r} entry point): "
-            f"pip install -e {backend.directory}"
-        )
 
 
 def _set_device(rank: int, nranks: int) -> None:
@@ -94,7 +114,7 @@ def _set_device(rank: int, nranks: int) -> None:
 def _run(
     backend: GpuShmemBackend, fn: Any, nranks: int, gpus: int, *args: Any, env: dict[str, str] | None = None
 ) -> list[Any]:
-    _need(backend, gpus)
+    _need(gpus)
     full = {
         "MORI_DEVICE_RUNTIME": backend.runtime,
         "MORI_SHMEM_HEAP_SIZE": HEAP,

@@ -75,7 +75,8 @@ _capsule_new.argtypes = [c_void_p, ctypes.c_char_p, c_void_p]
 
 def byte_view(addr: int, nbytes: int, device_type: int, device_id: int) -> torch.Tensor:
     """A contiguous uint8 tensor of ``nbytes`` at ``addr`` on the DLPack device
-    ``(device_type, device_id)``, sharing the memory (no copy). The memory must outlive the tensor."""
+    ``(device_type, device_id)``, sharing the memory (no copy). The memory must outlive the tensor.
+    ``device_id`` is ignored for :data:`KDL_CPU` (the host is one device, 0)."""
     import torch
 
     if nbytes == 0:
@@ -85,7 +86,7 @@ def byte_view(addr: int, nbytes: int, device_type: int, device_id: int) -> torch
     managed = _DLManagedTensor()
     t = managed.dl_tensor
     t.data = addr
-    t.device = _DLDevice(device_type, device_id)
+    t.device = _DLDevice(device_type, 0 if device_type == KDL_CPU else device_id)
     t.ndim = 1
     t.dtype = _DLDataType(_KDL_UINT, 8, 1)
     t.shape = ctypes.cast(shape, POINTER(c_int64))

@@ -275,7 +275,19 @@ class CtypesDriver:
         return self.ERROR(call, code, self.result_name(code), description, detail)
 
     def _error_text(self, fn: str, code: int) -> str:
-        raise NotImplementedError
+        """The text the library's naming call ``fn`` gives ``code`` ("" if it fails): returned as
+        the result (``fn`` in ``STRING_RESULT``, HIP's form) or through an out-pointer (CUDA's)."""
+        try:
+            if fn in self.STRING_RESULT:
+                text = self._fn(fn)(code)
+            else:
+                out = c_char_p()
+                text = out.value if int(self._fn(fn)(code, byref(out))) == self.SUCCESS else None
+        except MoriBackendError:
+            return ""
+        if not text:
+            return ""
+        return text.decode(errors="replace") if isinstance(text, bytes) else str(text)
 
     def _out_int(self, op: str, *args: Any, detail: str = "") -> int:
         out = c_int()

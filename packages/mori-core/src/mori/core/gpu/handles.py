@@ -13,10 +13,12 @@ A handle is 112 bytes, little-endian::
     addr     Q    the range's address in the exporting process
     offset   Q    offset of the range from the base of the allocation the IPC handle names
     size     Q    bytes in the range
-    ipc      64s  the driver's IPC memory handle of the allocation (CUipcMemHandle, hipIpcMemHandle_t)
+    ipc      64s  the driver's IPC memory handle of the allocation (CUipcMemHandle, hipIpcMemHandle_t;
+                  ``SegmentHandle.IPC_SIZE`` bytes, 64 for both)
 
-The importer opens ``ipc`` (one mapping per allocation per process) and adds ``offset``. A backend
-subclasses :class:`SegmentHandle` to set its ``MAGIC`` and the names its messages use.
+The importer opens ``ipc`` (one mapping per allocation per process) and adds ``offset``. Each
+vendor's handle class is made from its descriptor (:attr:`mori.core.gpu.vendor.GpuVendor.handle_class`):
+its ``MAGIC``, IPC handle size and the names its messages use.
 """
 
 from __future__ import annotations
@@ -33,9 +35,14 @@ VERSION = 1
 KIND_HEAP = 0
 KIND_RANGE = 1
 _KINDS = {KIND_HEAP: "heap segment", KIND_RANGE: "exported range"}
-_STRUCT = struct.Struct("<4sBBHIiIBBBxQQQ64s")
-SIZE = _STRUCT.size
 IPC_SIZE = 64
+
+
+def _layout(ipc_size: int) -> struct.Struct:
+    return struct.Struct(f"<4sBBHIiIBBBxQQQ{ipc_size}s")
+
+
+SIZE = _layout(IPC_SIZE).size
 
 
 @dataclass(frozen=True, order=True)
@@ -66,11 +73,20 @@ class PciAddress:
 @dataclass(frozen=True)
 class SegmentHandle:
     """A decoded handle (see the module docstring for the fields). Subclasses set ``MAGIC`` (4
-    bytes), ``PACKAGE`` (the distribution, for messages) and ``RUNTIME`` (the runtime's name)."""
+    bytes), ``PACKAGE`` (the distribution, for messages), ``RUNTIME`` (the runtime's name) and
+    ``IPC_SIZE`` (bytes of the driver's IPC handle); ``SIZE`` is then the packed handle's size."""
 
     MAGIC: ClassVar[bytes] = b"MGPU"
     PACKAGE: ClassVar[str] = "mori-core"
     RUNTIME: ClassVar[str] = "gpu"
+    IPC_SIZE: ClassVar[int] = IPC_SIZE
+    _STRUCT: ClassVar[struct.Struct] = _layout(IPC_SIZE)
+    SIZE: ClassVar[int] = SIZE
+
+    def __init_subclass__(cls, **kw: object) -> None:
+        super().__init_subclass__(**kw)
+        cls._STRUCT = _layout(cls.IPC_SIZE)
+        cls.SIZE = cls._STRUCT.size
 
     kind: int
     pid: int
@@ -82,9 +98,9 @@ class SegmentHandle:
     ipc: bytes
 
     def pack(self) -> bytes:
-        if len(self.ipc) != IPC_SIZE:
-            raise MoriValueError(f"IPC handle has {len(self.ipc)} bytes, expected {IPC_SIZE}")
-        return _STRUCT.pack(
+        if len(self.ipc) != self.IPC_SIZE:
+            raise MoriValueError(f"IPC handle has {len(self.ipc)} bytes, expected {self.IPC_SIZE}")
+        return self._STRUCT.pack(
             self.MAGIC,
             VERSION,
             self.kind,
@@ -108,13 +124,13 @@ class SegmentHandle:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise MoriValueError(f"{what}: expected bytes, got {type(data).__name__}")
         data = bytes(data)
-        if len(data) != SIZE or data[:4] != cls.MAGIC:
+        if len(data) != cls.SIZE or data[:4] != cls.MAGIC:
             raise MoriValueError(
-                f"{what} is not a {cls.PACKAGE} handle: expected {SIZE} bytes starting with {cls.MAGIC!r}, "
+                f"{what} is not a {cls.PACKAGE} handle: expected {cls.SIZE} bytes starting with {cls.MAGIC!r}, "
                 f"got {len(data)} bytes starting with {data[:4]!r} (do all ranks use the {cls.RUNTIME} runtime?)"
             )
         _magic, version, kind, _flags, pid, ordinal, dom, bus, dev, fn, addr, offset, size, ipc = (
-            _STRUCT.unpack(data)
+            cls._STRUCT.unpack(data)
         )
         if version != VERSION:
             raise MoriValueError(

@@ -1,8 +1,8 @@
 """The GPU device runtime both device plugins share: the symmetric heap in GPU memory, shared with IPC.
 
-:class:`GpuRuntime` holds the logic; a plugin subclasses it with its driver binding (a
-:class:`~mori.core.gpu.driver.GpuDriver`), its names and its messages (``cuda`` in
-the CUDA plugin, ``hip`` in the HIP one). Imports neither torch, Triton nor a driver.
+:class:`GpuRuntime` holds the logic; a plugin makes one of its vendor's descriptor
+(:class:`~mori.core.gpu.vendor.GpuVendor`: its driver binding, names and messages; ``cuda`` in the
+CUDA plugin, ``hip`` in the HIP one). Imports neither torch, Triton nor a driver.
 
 **Device.** The heap lives on the *current torch device* when the first segment is created (each
 rank calls ``torch.cuda.set_device`` before ``shmem_init``). Every driver call runs with that GPU
@@ -29,18 +29,22 @@ after the work already queued on torch's current stream of the device:
 **Beyond the contract:** :meth:`GpuRuntime.export_range` / :meth:`GpuRuntime.open_range` share any
 device allocation (a torch tensor) with another process; :meth:`GpuRuntime.copy_engine` gives
 asynchronous copies on dedicated streams (:class:`~mori.core.gpu.copy_engine.CopyEngine`).
+Packages that drive the GPU themselves (mori-io's XGMI backend and staging copier) take the bound
+:class:`GpuDevice` (driver, context, ``active()``) from :meth:`GpuRuntime.bound_device` and torch's
+current stream from :meth:`GpuRuntime.current_stream`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import operator
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from mori.core import env as core_env
 from mori.core.backend import (
@@ -71,8 +75,9 @@ if TYPE_CHECKING:
     import torch
 
     from mori.core.gpu.copy_engine import CopyEngine
+    from mori.core.gpu.vendor import GpuVendor
 
-__all__ = ["GpuPeerSegment", "GpuRuntime", "GpuSegment"]
+__all__ = ["GpuDevice", "GpuPeerSegment", "GpuRuntime", "GpuSegment", "torch_stream_getter"]
 
 #: heap segments are placed at a multiple of this (mori.shmem promises alignments up to 2 MiB)
 HEAP_ALIGN = 2 << 20
@@ -121,6 +126,28 @@ def _check_word(addr: int, word: int, *values: int) -> tuple[str, int, Any]:
     return name, size, ctype
 
 
+@functools.cache
+def torch_stream_getter() -> Callable[[int], int]:
+    """``index -> raw handle of torch's current stream on GPU index`` (a ``CUstream`` /
+    ``hipStream_t`` as an int), as cheap as torch allows.
+
+    This is the one place MORI uses a private name of torch: ``torch._C._cuda_getCurrentRawStream``,
+    the getter Triton's own launcher calls. It returns the handle without making a
+    ``torch.cuda.Stream`` object, about ten times faster than the public
+    ``torch.cuda.current_stream(index).cuda_stream``, which matters on the per-transfer path of
+    mori-io. Where a torch lacks it, the public form is returned instead."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw  # type: ignore[no-any-return]
+
+    def public(index: int) -> int:
+        return int(torch.cuda.current_stream(index).cuda_stream)
+
+    return public
+
+
 def _halves(value: int) -> tuple[int, int]:
     """The low and high 32 bits of ``value``'s 64-bit two's-complement pattern, as signed int32s."""
     bits = value & 0xFFFF_FFFF_FFFF_FFFF
@@ -142,8 +169,20 @@ class _Pointer:
         return self.addr
 
 
-class _DeviceState:
-    """What the runtime holds for its GPU: context (or current device), streams, pinned words, IPC mappings."""
+class GpuDevice:
+    """The GPU a runtime is bound to, with what the runtime holds for it (from
+    :meth:`GpuRuntime.bound_device`). Public for packages that drive the GPU themselves:
+
+    * ``drv``: the driver binding (:class:`~mori.core.gpu.driver.GpuDriver`); ``index``: the torch
+      device index; ``device``: the driver's name for the GPU; ``ctx``: what makes it current
+      (CUDA: its primary context, the one torch uses; HIP: the ordinal); ``pci``: its PCI address;
+    * :meth:`active`: a context manager making the GPU current for a block of driver calls;
+    * ``lock``: held by the runtime around its own calls (hold it to free memory it may use);
+    * ``pinned`` / ``pinned_device``: 64 bytes of pinned host memory (host and device address) the
+      runtime's atomics and waits use: [0, 8) the last atomic's result, [8, 16) the polled word.
+
+    The rest (streams, IPC mappings, scratch buffer) is the runtime's own.
+    """
 
     def __init__(self, drv: GpuDriver, index: int) -> None:
         self.drv = drv
@@ -229,7 +268,7 @@ class _DeviceState:
 class GpuSegment(HeapSegment):
     """This rank's heap: ``size`` zeroed bytes of GPU memory at ``addr`` (2 MiB aligned)."""
 
-    def __init__(self, state: _DeviceState, raw: int, addr: int, size: int, handle: bytes) -> None:
+    def __init__(self, state: GpuDevice, raw: int, addr: int, size: int, handle: bytes) -> None:
         self._state = state
         self._raw = raw  # what the allocation returned (addr may be above it, for alignment)
         self.addr = addr
@@ -252,7 +291,7 @@ class GpuPeerSegment(PeerSegment):
     original address and ``close`` does nothing.
     """
 
-    def __init__(self, state: _DeviceState | None, ipc: bytes | None, addr: int, size: int) -> None:
+    def __init__(self, state: GpuDevice | None, ipc: bytes | None, addr: int, size: int) -> None:
         self._state = state
         self._ipc = ipc
         self.addr = addr
@@ -295,68 +334,36 @@ class GpuMappedHostMemory(MappedHostMemory):
 
 
 class GpuRuntime(DeviceRuntime):
-    """A GPU device runtime (see the module docstring); a plugin subclasses it and sets the class
-    attributes below, ``name``, ``description`` and :meth:`_default_load`.
+    """The GPU device runtime of one vendor (see the module docstring).
 
-    ``load``: returns the driver binding (default: the subclass's :meth:`_default_load`; tests pass
-    a fake).
+    ``vendor``: the vendor's descriptor (names, driver, messages); ``load``: returns the driver
+    binding (default: ``vendor.load_driver``; tests pass a fake).
     """
 
     priority = 100
     torch_device = "cuda"  # ROCm builds of torch call their GPUs cuda too
-    #: the plugin's distribution, for messages
-    package = "mori-core"
-    #: the driver's error class (a :class:`~mori.core.gpu.driver.GpuError`)
-    error_class: type[GpuError] = GpuError
-    #: the segment handle class (its MAGIC is the backend's)
-    handle_class: type[SegmentHandle] = SegmentHandle
-    #: DLPack device type code of torch's ``cuda`` device on this vendor
-    dlpack_device = _dlpack.KDL_CUDA
-    #: how messages name: a GPU ("CUDA device"), the no-device result, the device-count call, the
-    #: torch build ("CUDA"), the IPC ("CUDA IPC"), the heap allocation, the allocation functions
-    #: export_range accepts and the pool allocator it does not
-    gpu_noun = "GPU"
-    no_device_result = "no device"
-    device_count_call = "device count"
-    torch_flavour = "GPU support"
-    ipc_name = "IPC"
-    heap_allocation = "one allocation"
-    alloc_functions = "the device allocator"
-    async_pool = "stream-ordered pools"
 
-    def __init__(self, load: Callable[[], GpuDriver] | None = None) -> None:
-        self._load = load or self._default_load
-        self._state: _DeviceState | None = None
+    def __init__(self, vendor: GpuVendor, load: Callable[[], GpuDriver] | None = None) -> None:
+        self.vendor = vendor
+        self.name = vendor.runtime
+        self.description = vendor.runtime_description
+        #: the plugin's distribution, for messages
+        self.package = vendor.distribution
+        #: the driver's error class (a :class:`~mori.core.gpu.driver.GpuError`)
+        self.error_class: type[GpuError] = vendor.error_class
+        #: the segment handle class (its MAGIC is the vendor's)
+        self.handle_class: type[SegmentHandle] = vendor.handle_class
+        # a vendor's binding is a CtypesDriver subclass with the GpuDriver methods the base lacks
+        self._load: Callable[[], GpuDriver] = load or cast("Callable[[], GpuDriver]", vendor.load_driver)
+        self._state: GpuDevice | None = None
         self._bind_lock = threading.Lock()
-        self._pid_override: int | None = None  # tests: pretend to be another process
-
-    # -- vendor hooks ---------------------------------------------------------------------------------
-
-    @staticmethod
-    def _default_load() -> GpuDriver:
-        raise NotImplementedError("a GPU runtime plugin supplies its driver loader")
-
-    def _torch_build_ok(self, torch: Any) -> bool:
-        """Whether ``torch`` is a build for this vendor's GPUs."""
-        raise NotImplementedError
-
-    def _available(self, count: int, version: int, path: str) -> str:
-        """The reason text of a usable runtime."""
-        return f"{count} {self.gpu_noun}(s), driver {version} ({path})"
-
-    def _no_peer_access(self, index: int, other: int) -> str:
-        """Why ``can_reach`` says no: the peer-access query and its answer."""
-        return f"can_access_peer({index}, {other}) = 0"
-
-    def _heap_alloc_options(self) -> dict[str, Any]:
-        """Keyword arguments of the heap's ``mem_alloc`` (read once per :meth:`create_segment`)."""
-        return {}
 
     # -- availability -------------------------------------------------------------------------------
 
     def probe(self) -> Availability:
         """Usable if the driver loads, sees a GPU, torch is a build for it and Triton is installed.
         Loads the driver and initialises it, nothing more (no context, no memory)."""
+        v = self.vendor
         try:
             drv = self._load()
             try:
@@ -364,22 +371,22 @@ class GpuRuntime(DeviceRuntime):
                 count = drv.device_count()
             except self.error_class as e:
                 if e.code == 100:  # CUDA_ERROR_NO_DEVICE, hipErrorNoDevice
-                    return Availability(False, f"no {self.gpu_noun} ({e.call}: {self.no_device_result})")
+                    return Availability(False, f"no {v.gpu_noun} ({e.call}: {v.no_device_result})")
                 return Availability(False, str(e))
             if count == 0:
-                return Availability(False, f"no {self.gpu_noun} ({self.device_count_call} = 0)")
+                return Availability(False, f"no {v.gpu_noun} ({v.device_count_call} = 0)")
             import importlib.util
 
             if importlib.util.find_spec("torch") is None:
                 return Availability(False, "torch is not installed")
             import torch
 
-            if not self._torch_build_ok(torch):
-                return Availability(False, f"torch {torch.__version__} is not a {self.torch_flavour} build")
+            if not v.torch_build_ok(torch):
+                return Availability(False, f"torch {torch.__version__} is not a {v.torch_flavour} build")
             if importlib.util.find_spec("triton") is None:
                 return Availability(False, "triton is not installed (host atomics on GPU memory need it)")
-            version = drv.version()
-            return Availability(True, self._available(count, version, drv.path))
+            version = v.version_text(drv.version())
+            return Availability(True, v.available.format(count=count, version=version, path=drv.path))
         except Exception as e:
             return Availability(
                 False, str(e) if isinstance(e, MoriBackendError) else f"{type(e).__name__}: {e}"
@@ -389,42 +396,48 @@ class GpuRuntime(DeviceRuntime):
 
     @property
     def pid(self) -> int:
-        return self._pid_override or os.getpid()
+        """The process id segment handles name as their owner."""
+        return os.getpid()
 
     @property
     def device_index(self) -> int | None:
         """The torch device index of this runtime's GPU, None before the first segment."""
         return self._state.index if self._state is not None else None
 
-    def _torch_device_index(self) -> int:
+    def current_device_index(self) -> int:
+        """Torch's current device index: the GPU :meth:`bound_device` binds to. Raises
+        :class:`~mori.core.errors.MoriBackendError` if torch sees no GPU."""
         import torch
 
         if not torch.cuda.is_available():
             raise MoriBackendError(
-                f"the {self.name} runtime needs torch with {self.torch_flavour}: torch {torch.__version__} reports "
-                f"torch.cuda.is_available() = False"
+                f"the {self.name} runtime needs torch with {self.vendor.torch_flavour}: torch {torch.__version__} "
+                f"reports torch.cuda.is_available() = False"
             )
         return int(torch.cuda.current_device())
 
-    def _torch_current_stream(self, index: int) -> int:
-        import torch
+    def current_stream(self, index: int) -> int:
+        """The raw handle of torch's current stream on GPU ``index`` (what work of MORI's is
+        ordered after; see :func:`torch_stream_getter`)."""
+        return int(torch_stream_getter()(index))
 
-        # the raw handle without a torch.cuda.Stream object (what Triton's launcher uses; ~10x faster)
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        if raw is not None:
-            return int(raw(index))
-        return int(torch.cuda.current_stream(index).cuda_stream)
+    def bound_device(self) -> GpuDevice:
+        """The GPU this runtime works on (:class:`GpuDevice`), bound on first use to torch's current
+        device (:meth:`current_device_index`; the driver is loaded then). Later calls return the
+        same device once the heap or a mapping lives there. Not collective; thread-safe."""
+        st = self._state
+        return st if st is not None else self._bind()
 
-    def _bind(self) -> _DeviceState:
+    def _bind(self) -> GpuDevice:
         """The state of the current torch device, made on first use."""
         with self._bind_lock:
-            index = self._torch_device_index()
+            index = self.current_device_index()
             st = self._state
             if st is None or (st.index != index and not st.opened):
-                st = self._state = _DeviceState(self._load(), index)
+                st = self._state = GpuDevice(self._load(), index)
             return st
 
-    def _require(self, func: str) -> _DeviceState:
+    def _require(self, func: str) -> GpuDevice:
         st = self._state
         if st is None:
             raise MoriStateError(
@@ -439,10 +452,10 @@ class GpuRuntime(DeviceRuntime):
         if mode != "static_heap":
             raise MoriValueError(
                 f"MORI_SHMEM_MODE={mode!r} is not supported by the {self.name} runtime ({self.package}): use "
-                f"static_heap. vmm_heap is not implemented yet; the heap is {self.heap_allocation} shared with "
-                f"{self.ipc_name}"
+                f"static_heap. vmm_heap is not implemented yet; the heap is {self.vendor.heap_allocation} shared "
+                f"with {self.vendor.ipc_name}"
             )
-        options = self._heap_alloc_options()
+        options = self.vendor.heap_alloc_options()
         st = self._bind()
         drv = st.drv
         with st.lock, st.active():
@@ -495,7 +508,7 @@ class GpuRuntime(DeviceRuntime):
             return True, f"GPU {h.pci} is not visible in this process"
         if st.drv.can_access_peer(st.device, st.drv.device(other)):
             return True, f"peer access to GPU {h.pci}"
-        return False, self._no_peer_access(st.index, other)
+        return False, f"{self.vendor.peer_access_query.format(index=st.index, other=other)} = 0"
 
     # -- ranges of any allocation (shmem_buffer_register) ---------------------------------------------
 
@@ -512,7 +525,7 @@ class GpuRuntime(DeviceRuntime):
         for arg, v in (("addr", addr), ("size", size)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise MoriValueError(f"{func}: {arg}={v!r} is not allowed; expected an int > 0")
-        st = self._bind() if self._state is None else self._state
+        st = self.bound_device()
         drv = st.drv
         with st.lock, st.active():
             try:
@@ -520,7 +533,7 @@ class GpuRuntime(DeviceRuntime):
                 ordinal = drv.pointer_device(addr)
             except self.error_class as e:
                 raise MoriValueError(
-                    f"{func}: addr={addr:#x} is not GPU memory allocated with {self.alloc_functions} ({e})"
+                    f"{func}: addr={addr:#x} is not GPU memory allocated with {self.vendor.alloc_functions} ({e})"
                 ) from e
             if addr + size > base + length:
                 raise MoriValueError(
@@ -530,8 +543,8 @@ class GpuRuntime(DeviceRuntime):
                 ipc = drv.ipc_get_handle(base)
             except self.error_class as e:
                 raise MoriBackendError(
-                    f"{func}: the allocation at {base:#x} cannot be shared with {self.ipc_name} ({e}); memory from "
-                    f"{self.async_pool} pools or torch's expandable_segments is not exportable"
+                    f"{func}: the allocation at {base:#x} cannot be shared with {self.vendor.ipc_name} ({e}); memory "
+                    f"from {self.vendor.async_pool} pools or torch's expandable_segments is not exportable"
                 ) from e
             pci = st.pci if ordinal == st.index else PciAddress.parse(drv.pci_bus_id(drv.device(ordinal)))
         return self.handle_class(KIND_RANGE, self.pid, ordinal, pci, addr, addr - base, size, ipc).pack()
@@ -546,33 +559,30 @@ class GpuRuntime(DeviceRuntime):
         h = self.handle_class.unpack(handle, what="open_range: handle")
         if h.kind != KIND_RANGE:
             raise MoriValueError(f"open_range: the handle describes a {h.describe()}, not an exported range")
-        if self._state is None:
-            self._bind()
+        self.bound_device()
         return self._open(h, h.size, f"range {h.describe()}")
 
     def copy_engine(self) -> CopyEngine:
         """This GPU's :class:`~mori.core.gpu.copy_engine.CopyEngine` (made on first use)."""
         from mori.core.gpu.copy_engine import CopyEngine
 
-        st = self._bind() if self._state is None else self._state
+        st = self.bound_device()
         with st.lock:
             if st.copy_engine is None:
-                st.copy_engine = CopyEngine(st.drv, st.active, self._torch_current_stream, st.index)
+                st.copy_engine = CopyEngine(st.drv, st.active, self.current_stream, st.index)
             return st.copy_engine
 
     # -- host access ----------------------------------------------------------------------------------
 
-    def _view(self, addr: int, nbytes: int, index: int) -> torch.Tensor:
-        return _dlpack.byte_view(addr, nbytes, self.dlpack_device, index)
-
     def byte_view(self, addr: int, nbytes: int) -> torch.Tensor:
         """uint8 tensor ``[nbytes]`` on ``cuda:<this GPU>`` (torch's name, ROCm too) over ``addr`` (own heap, a peer's mapped
         heap, or any device memory this GPU can reach). No copy; the memory must outlive it."""
-        return self._view(addr, nbytes, self._require("byte_view").index)
+        index = self._require("byte_view").index
+        return _dlpack.byte_view(addr, nbytes, self.vendor.dlpack_device, index)
 
-    def _order_after_current_stream(self, st: _DeviceState) -> None:
+    def _order_after_current_stream(self, st: GpuDevice) -> None:
         # the runtime's stream waits (on the GPU) for what is queued on torch's current stream
-        st.drv.event_record(st.order_event, self._torch_current_stream(st.index))
+        st.drv.event_record(st.order_event, self.current_stream(st.index))
         st.drv.stream_wait_event(st.op_stream, st.order_event)
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
@@ -592,7 +602,7 @@ class GpuRuntime(DeviceRuntime):
                 drv.memcpy_async(dst, src, nbytes, st.op_stream)
             drv.stream_synchronize(st.op_stream)
 
-    def _copy_overlapping(self, st: _DeviceState, dst: int, src: int, nbytes: int) -> None:
+    def _copy_overlapping(self, st: GpuDevice, dst: int, src: int, nbytes: int) -> None:
         # memmove through a scratch buffer, chunk by chunk, in the order that never overwrites
         # source bytes not yet copied: from the end when moving up, from the start when moving down
         chunk = min(nbytes, SCRATCH_MAX)
@@ -618,25 +628,34 @@ class GpuRuntime(DeviceRuntime):
         st = self._require("atomic")
         with st.lock, st.active():
             self._order_after_current_stream(st)
-            self._launch_atomic(st, addr, word, op, value, cond)
+            self.launch_atomic(st, addr, _WORDS[word][0], op, (*_halves(value), *_halves(cond)))
             st.drv.stream_synchronize(st.op_stream)
             return int(ctype.from_address(st.pinned).value)
 
-    def _launch_atomic(self, st: _DeviceState, addr: int, word: int, op: int, value: int, cond: int) -> None:
-        """Queue the atomic kernel on the runtime's stream; its result goes to ``st.pinned``."""
+    def launch_atomic(
+        self, st: GpuDevice, addr: int, dtype: str, op: int, operands: tuple[int, int, int, int]
+    ) -> None:
+        """Queue the host-atomic kernel (:mod:`mori.core.gpu.atomics`) on the runtime's stream; its
+        result (the word's old value) goes to ``st.pinned_device``. ``dtype``: the word's torch
+        dtype name (``int32``, ``uint32``, ``int64``, ``uint64``); ``op``: an ``OP_*`` code or
+        :data:`OP_CAS`; ``operands``: the value's and the compared value's low and high 32 bits, as
+        signed int32s. Called with ``st.lock`` held and the GPU current; a subclass may run the
+        kernel elsewhere (the fake runtimes of the tests run it in Triton's interpreter)."""
         import torch
 
         from mori.core.gpu.atomics import host_atomic_kernel
 
-        dtype = getattr(torch, _WORDS[word][0])
+        torch_dtype = getattr(torch, dtype)
         if st.torch_stream is None:
             device = torch.device("cuda", st.index)
             st.torch_stream = torch.cuda.ExternalStream(st.op_stream, device=device)  # type: ignore[no-untyped-call]
-        lo, hi = _halves(value)
-        clo, chi = _halves(cond)
         with torch.cuda.stream(st.torch_stream):
             host_atomic_kernel[(1,)](
-                _Pointer(addr, dtype), _Pointer(st.pinned_device, dtype), lo, hi, clo, chi, OP=op, num_warps=1
+                _Pointer(addr, torch_dtype),
+                _Pointer(st.pinned_device, torch_dtype),
+                *operands,
+                OP=op,
+                num_warps=1,
             )
 
     def wait_until(self, addr: int, cmp: int, word: int, value: int, timeout_s: float) -> tuple[bool, int]:

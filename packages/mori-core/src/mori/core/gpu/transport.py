@@ -4,33 +4,29 @@ For a peer on the same node that also uses this runtime, ``connect`` maps the pe
 driver's IPC when the two GPUs can load and store each other's memory: the same GPU (several ranks
 sharing one), or GPUs with peer access (NVLink, xGMI, or PCIe where the platform allows it). Loads,
 stores and atomics of kernels then reach the peer directly, and ``shmem_ptr_p2p`` is non-zero.
-Otherwise it returns None and the next transport is tried. A plugin subclasses
-:class:`GpuP2PTransport` with its ``name``, ``description``, ``runtime_class``, ``error_class``
-and ``ipc_name``.
+Otherwise it returns None and the next transport is tried. Its name and description are the
+vendor's (:class:`~mori.core.gpu.vendor.GpuVendor`: ``p2p`` for CUDA, ``xgmi`` for HIP); a device
+plugin's :class:`~mori.core.gpu.vendor.GpuVendorPlugin` makes one over its runtime.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from mori.core.backend import Availability, DeviceRuntime, PeerInfo, PeerSegment, Transport
-from mori.core.gpu.driver import GpuError
 from mori.core.gpu.runtime import GpuRuntime
 
 __all__ = ["GpuP2PTransport"]
 
 
 class GpuP2PTransport(Transport):
+    """The same-node load/store transport over ``runtime`` (see the module docstring)."""
+
     priority = 200  # before the host-memory transports, which do not serve GPU heaps anyway
     load_store = True
-    #: the runtime it serves (made with no argument when none is given) and its driver's errors
-    runtime_class: ClassVar[type[GpuRuntime]] = GpuRuntime
-    error_class: ClassVar[type[GpuError]] = GpuError
-    #: how messages name the IPC ("CUDA IPC")
-    ipc_name: ClassVar[str] = "IPC"
 
-    def __init__(self, runtime: GpuRuntime | None = None) -> None:
-        self._runtime = runtime or self.runtime_class()
+    def __init__(self, runtime: GpuRuntime) -> None:
+        self._runtime = runtime
+        self.name = runtime.vendor.transport
+        self.description = runtime.vendor.transport_description
         #: peer rank -> why connect() returned None for it (diagnostics)
         self.unreachable: dict[int, str] = {}
 
@@ -39,7 +35,8 @@ class GpuP2PTransport(Transport):
 
     def connect(self, runtime: DeviceRuntime, me: PeerInfo, peer: PeerInfo) -> PeerSegment | None:
         if (
-            not isinstance(runtime, self.runtime_class)
+            not isinstance(runtime, GpuRuntime)
+            or runtime.name != self._runtime.name
             or me.runtime != runtime.name
             or peer.runtime != runtime.name
         ):
@@ -53,8 +50,8 @@ class GpuP2PTransport(Transport):
             return None
         try:
             return runtime.open_peer_segment(peer)
-        except self.error_class as e:
+        except runtime.error_class as e:
             if "not visible" not in why:
                 raise
-            self.unreachable[peer.rank] = f"{why}, and {self.ipc_name} could not map it: {e}"
+            self.unreachable[peer.rank] = f"{why}, and {runtime.vendor.ipc_name} could not map it: {e}"
             return None
