@@ -314,8 +314,8 @@ class GpuMappedHostMemory(MappedHostMemory):
     (``CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED``); device code alone is the usual case.
     """
 
-    def __init__(self, state: _DeviceState, size: int) -> None:
-        self._state: _DeviceState | None = state
+    def __init__(self, state: GpuDevice, size: int) -> None:
+        self._state: GpuDevice | None = state
         with state.active():
             self.host_addr = state.drv.host_alloc(size)
             try:
