@@ -75,6 +75,36 @@ def test_bench_shmem_small_run_writes_json(tmp_path: Path, capsys: pytest.Captur
     assert record["suite"] == "shmem" and "git_sha" in record and record["config"]["ranks"] == 2
 
 
+def test_bench_shmem_across_two_emulated_nodes_against_gloo(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--nodes 2: each rank its own MORI_NODE_ID, so puts and signals cross the transport named by
+    --transport; the baseline is gloo in the same processes, and the record says so."""
+    path = tmp_path / "shmem2.json"
+    argv = ["bench", "shmem", "--nodes", "2", "--transport", "tcp", "--sizes", "8,65536"]
+    rc = cli.main([*argv, "--samples", "3", "--pingpongs", "30", "--json", str(path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert (
+        "2 emulated nodes, transport tcp" in out and "put/gloo" in out and "gloo send/recv round trip" in out
+    )
+    record = json.loads(path.read_text())
+    assert record["config"]["nodes"] == 2 and record["config"]["transport"] == "tcp"
+    assert record["config"]["baseline"] == "gloo"
+    rows = [r for r in record["rows"] if "size" in r]
+    assert [r["size"] for r in rows] == [8, 65536]
+    assert all(r["put_gbps"] > 0 and r["gloo_gbps"] > 0 and "copy_gbps" not in r for r in rows)
+    assert {r["latency"] for r in record["rows"] if "latency" in r} == {
+        "put_signal_round_trip_8B",
+        "gloo_send_recv_round_trip_8B",
+    }
+
+
+def test_bench_shmem_transport_needs_two_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match="--transport needs --nodes 2"):
+        cli.main(["bench", "shmem", "--transport", "tcp", "--sizes", "8"])
+
+
 def test_bench_of_a_missing_distribution_names_it(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
