@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 from collections.abc import Iterator
 
 import pytest
-from umbp_helpers import Master, free_port
+from umbp_helpers import Master, RedisServer, free_port
 
 from mori.cpp import (
     UMBPClient,
@@ -65,9 +66,20 @@ def counts(client: object, hashes: list[str]) -> dict[str, int]:
     return {e.hash: e.hit_count_total for e in client.get_external_kv_hit_counts(hashes)}  # type: ignore[attr-defined]
 
 
-@pytest.fixture(scope="module")
-def addr(shared_master: Master) -> str:
-    return shared_master.address
+@pytest.fixture(scope="module", params=["inmemory", "redis"])
+def addr(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A master shared by the module's tests, with each metadata backend: the Redis one runs the
+    same cases through its Lua scripts."""
+    env = {}
+    if request.param == "redis":
+        redis_server: RedisServer = request.getfixturevalue("redis_server")
+        env = {"UMBP_METADATA_BACKEND": "redis", "UMBP_REDIS_URI": redis_server.uri,
+               "UMBP_REDIS_NAMESPACE": f"client-{uuid.uuid4().hex[:8]}"}  # fmt: skip
+    m = Master(env)
+    try:
+        yield m.address
+    finally:
+        m.stop()
 
 
 # -- construction and registration -----------------------------------------------------------------
