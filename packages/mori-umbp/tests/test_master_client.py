@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 from collections.abc import Iterator
 
 import pytest
-from umbp_helpers import Master, free_port
+from umbp_helpers import Master, RedisServer, free_port
 
 from mori.cpp import (
     UMBPClient,
@@ -65,9 +66,20 @@ def counts(client: object, hashes: list[str]) -> dict[str, int]:
     return {e.hash: e.hit_count_total for e in client.get_external_kv_hit_counts(hashes)}  # type: ignore[attr-defined]
 
 
-@pytest.fixture(scope="module")
-def addr(shared_master: Master) -> str:
-    return shared_master.address
+@pytest.fixture(scope="module", params=["inmemory", "redis"])
+def addr(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A master shared by the module's tests, with each metadata backend: the Redis one runs the
+    same cases through its Lua scripts."""
+    env = {}
+    if request.param == "redis":
+        redis_server: RedisServer = request.getfixturevalue("redis_server")
+        env = {"UMBP_METADATA_BACKEND": "redis", "UMBP_REDIS_URI": redis_server.uri,
+               "UMBP_REDIS_NAMESPACE": f"client-{uuid.uuid4().hex[:8]}"}  # fmt: skip
+    m = Master(env)
+    try:
+        yield m.address
+    finally:
+        m.stop()
 
 
 # -- construction and registration -----------------------------------------------------------------
@@ -363,3 +375,49 @@ def test_concurrent_matches_share_rpcs_and_each_gets_its_own_answer(addr: str) -
         assert "MatchExternalKvBatch" in calls
         hits = counts(q, [f"gc-{i}" for i in range(64)])
         assert sum(hits.values()) == 20, "only thread 0 counted hits: one per call, none lost or doubled"
+
+
+def test_group_commit_wakes_every_caller_and_hands_errors_to_their_batch() -> None:
+    """The group commit alone, with a fake RPC: every caller returns (an answered call is woken
+    by the next sender, so a lost hand-off would leave it waiting), with its own answer; an RPC
+    that fails raises in exactly the calls it carried, and the calls after it still go through."""
+    import threading
+    import time
+
+    from mori.umbp.master_client import _GroupCommit
+
+    sent: list[int] = []
+
+    def send(queries: list[int]) -> list[int]:
+        sent.append(len(queries))
+        time.sleep(0.002)  # an RPC in flight: the others queue up behind it
+        if any(q % 97 == 0 for q in queries):
+            raise ConnectionError("this batch failed", list(queries))
+        return [q * 2 for q in queries]
+
+    gc = _GroupCommit(send, max_calls=8, max_items=1 << 20)
+    results: dict[int, object] = {}
+
+    def work(t: int) -> None:
+        for i in range(30):
+            q = t * 1000 + i + 1
+            try:
+                results[q] = gc(q, 1)
+            except ConnectionError as e:
+                results[q] = e
+
+    threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(12)]
+    [th.start() for th in threads]
+    deadline = time.monotonic() + 30  # the whole run takes well under a second
+    for th in threads:
+        th.join(max(0.0, deadline - time.monotonic()))
+    assert not any(th.is_alive() for th in threads), "a caller was never woken"
+    assert len(results) == 12 * 30 and max(sent) > 1 and max(sent) <= 8
+    failed = {q for q, r in results.items() if isinstance(r, ConnectionError)}
+    assert all(results[q] == q * 2 for q in results if q not in failed)
+    bad = {q for q in results if q % 97 == 0}
+    assert bad <= failed, "the failing query's caller raised"
+    for q in failed:  # raised the error of the RPC that carried it, which carried a failing query
+        batch = results[q].args[1]  # type: ignore[union-attr]
+        assert q in batch and any(b in bad for b in batch), "only its batch raised"
+    assert gc(5, 1) == 10 and not gc._busy, "the group commit is idle and usable afterwards"

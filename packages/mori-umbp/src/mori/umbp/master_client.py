@@ -63,21 +63,32 @@ class UMBPExternalKvHitCountEntry:
 
 
 class _Slot:
-    __slots__ = ("done", "error", "items", "lead", "query", "result")
+    """One call waiting in a :class:`_GroupCommit`. ``gate`` is a lock taken at creation and
+    released exactly once, when the call has its answer or must send the next RPC: the cheapest
+    wake-up Python has (an Event allocates a Condition and, per wait, another lock)."""
+
+    __slots__ = ("error", "gate", "items", "lead", "query", "result", "wake")
 
     def __init__(self, query: Any, items: int) -> None:
         self.query, self.items = query, items
-        self.done = threading.Event()
+        self.gate = threading.Lock()
+        self.gate.acquire()
         self.lead = False
         self.result: Any = None
         self.error: BaseException | None = None
+        #: a leader's: the answered calls of the previous RPC, woken just before this one is sent
+        self.wake: list[_Slot] = []
 
 
 class _GroupCommit:
     """At most one RPC of a kind in flight per client: calls that arrive while one is in flight
     wait and then go together in the next one (one result each). A lone caller sends at once, so
     nothing is delayed; under concurrency the RPCs carry many calls. If an RPC fails, every call
-    in it raises that error."""
+    in it raises that error.
+
+    When an RPC returns and calls are waiting, the first of them becomes the next sender and the
+    answered calls are woken by it, just before it sends: woken at once, they would hold the GIL
+    while the next sender waits for it, and the master would sit idle meanwhile."""
 
     def __init__(self, send: Callable[[list[Any]], list[Any]], max_calls: int, max_items: int) -> None:
         self._send, self._max_calls, self._max_items = send, max_calls, max_items
@@ -92,7 +103,7 @@ class _GroupCommit:
             lead = not self._busy
             self._busy = True
         if not lead:
-            slot.done.wait()
+            slot.gate.acquire()  # released once: the answer is in, or this call sends next
             if not slot.lead:
                 if slot.error is not None:
                     raise slot.error
@@ -107,6 +118,9 @@ class _GroupCommit:
                 b = self._queue.popleft()
                 batch.append(b)
                 n += b.items
+        for b in slot.wake:  # the previous RPC's calls: theirs to run while this one is in flight
+            b.gate.release()
+        slot.wake = []
         try:
             results = self._send([b.query for b in batch])
             for b, r in zip(batch, results, strict=True):
@@ -114,17 +128,20 @@ class _GroupCommit:
         except BaseException as e:  # handed to every caller of the batch
             for b in batch:
                 b.error = e
+        answered = [b for b in batch if b is not slot]
+        for b in answered:
+            b.lead = False
         with self._lock:
-            if self._queue:  # the next waiter sends the next RPC
+            if self._queue:  # the next waiter sends the next RPC, and wakes the answered calls
                 nxt = self._queue[0]
                 nxt.lead = True
-                nxt.done.set()
+                nxt.wake = answered
+                nxt.gate.release()
+                answered = []
             else:
                 self._busy = False
-        for b in batch:
-            if b is not slot:
-                b.lead = False
-                b.done.set()
+        for b in answered:
+            b.gate.release()
         if slot.error is not None:
             raise slot.error
         return slot.result

@@ -167,46 +167,57 @@ return 1
 """
 )
 
+# Matches of several queries (one MatchExternalKv, or the MatchExternalKvBatch of a client's group
+# commit) in one script: ARGV = ttl, max_hits, then the queries as one msgpack array of
+# [count_as_hit, [hashes]] (Redis's Lua has cmsgpack; one argument to pack and send instead of one
+# per hash). Each query is answered, and counts its hits, as if it ran alone, in order. The reply
+# is one msgpack string: [[node, peer, ...] of the live nodes seen, [hash, node, tier mask, ...]
+# for each query].
 _MATCH = (
     _COMMON
     + """
-local ttl, count_hit, max_hits = tonumber(ARGV[1]), ARGV[2] == '1', tonumber(ARGV[3])
+local ttl, max_hits = tonumber(ARGV[1]), tonumber(ARGV[2])
+local queries = cmsgpack.unpack(ARGV[3])
 local now = now_ms()
-local live = {}
-local out = {}
-local peers = {}
-local seen = {}
-for i = 4, #ARGV do
-  local h = ARGV[i]
-  if not seen[h] then
-    seen[h] = true
-    local pairs_ = redis.call('HGETALL', ns .. ':ext:' .. h)
-    local hit = false
-    for j = 1, #pairs_, 2 do
-      local node = pairs_[j]
-      if live[node] == nil then
-        live[node] = alive(node, now, ttl) or false
-        if live[node] then peers[#peers + 1] = node; peers[#peers + 1] = redis.call('HGET', ns .. ':peer', node) or '' end
+local live, peers = {}, {}
+local results = {}
+for q = 1, #queries do
+  local count_hit, hashes = queries[q][1], queries[q][2]
+  local out = {}
+  local seen = {}
+  for i = 1, #hashes do
+    local h = hashes[i]
+    if not seen[h] then
+      seen[h] = true
+      local pairs_ = redis.call('HGETALL', ns .. ':ext:' .. h)
+      local hit = false
+      for j = 1, #pairs_, 2 do
+        local node = pairs_[j]
+        if live[node] == nil then
+          live[node] = alive(node, now, ttl) or false
+          if live[node] then peers[#peers + 1] = node; peers[#peers + 1] = redis.call('HGET', ns .. ':peer', node) or '' end
+        end
+        if live[node] then
+          out[#out + 1] = h; out[#out + 1] = node; out[#out + 1] = tonumber(pairs_[j + 1])
+          hit = true
+        end
       end
-      if live[node] then
-        out[#out + 1] = h; out[#out + 1] = node; out[#out + 1] = pairs_[j + 1]
-        hit = true
+      if hit and count_hit then
+        redis.call('HINCRBY', ns .. ':hits', h, 1)
+        redis.call('ZADD', ns .. ':hitts', now, h)
       end
     end
-    if hit and count_hit then
-      redis.call('HINCRBY', ns .. ':hits', h, 1)
-      redis.call('ZADD', ns .. ':hitts', now, h)
+  end
+  if count_hit then
+    local extra = redis.call('ZCARD', ns .. ':hitts') - max_hits
+    if extra > 0 then
+      for _, h in ipairs(redis.call('ZRANGE', ns .. ':hitts', 0, extra - 1)) do redis.call('HDEL', ns .. ':hits', h) end
+      redis.call('ZREMRANGEBYRANK', ns .. ':hitts', 0, extra - 1)
     end
   end
+  results[q] = out
 end
-if count_hit then
-  local extra = redis.call('ZCARD', ns .. ':hitts') - max_hits
-  if extra > 0 then
-    for _, h in ipairs(redis.call('ZRANGE', ns .. ':hitts', 0, extra - 1)) do redis.call('HDEL', ns .. ':hits', h) end
-    redis.call('ZREMRANGEBYRANK', ns .. ':hitts', 0, extra - 1)
-  end
-end
-return {out, peers}
+return cmsgpack.pack({peers, results})
 """
 )
 
@@ -409,38 +420,34 @@ class RedisStore:
             "revoke", [node_id, tier or 0, "1" if everything else "0", *([] if everything else hashes)]
         )
 
-    def _match_args(self, hashes: list[str], count_as_hit: bool) -> list[Any]:
-        return [self._ttl_ms, "1" if count_as_hit else "0", self.limits.max_external, *hashes]
-
     async def match_external(self, hashes: list[str], count_as_hit: bool) -> list[Match]:
-        if not hashes:
-            return []
-        flat, peers = await self._run("match", self._match_args(hashes, count_as_hit))
-        return self._decode_match(flat, peers)
+        return (await self.match_external_many([(hashes, count_as_hit)]))[0]
 
     async def match_external_many(self, queries: list[tuple[list[str], bool]]) -> list[list[Match]]:
-        """Every query's script in one pipelined round trip (each still atomic on its own)."""
-        pipe = self.r.pipeline(transaction=False)
-        live = [(i, hs, hit) for i, (hs, hit) in enumerate(queries) if hs]
-        for _, hs, hit in live:
-            await self._s["match"](keys=[self.ns], args=self._match_args(hs, hit), client=pipe)
-        replies = await pipe.execute() if live else []
+        """Every query in one script (one round trip, one command): each is answered and counts its
+        hits as its own call would, in order."""
+        live = [i for i, (hs, _) in enumerate(queries) if hs]
         out: list[list[Match]] = [[] for _ in queries]
-        for (i, _, _), (flat, peers) in zip(live, replies, strict=True):
-            out[i] = self._decode_match(flat, peers)
+        if not live:
+            return out
+        packed = msgpack.packb([[queries[i][1], queries[i][0]] for i in live], use_bin_type=True)
+        reply = msgpack.unpackb(
+            await self._run("match", [self._ttl_ms, self.limits.max_external, packed]), raw=False
+        )
+        peers, flats = reply
+        if len(flats) != len(live):
+            raise RuntimeError(f"RedisStore.match: Redis answered {len(flats)} of {len(live)} queries")
+        peer_of = {peers[i]: peers[i + 1] for i in range(0, len(peers), 2)}
+        for i, flat in zip(live, flats, strict=True):
+            by_node: dict[str, dict[int, list[str]]] = {}
+            for j in range(0, len(flat), 3):
+                h, node, mask = flat[j], flat[j + 1], flat[j + 2]
+                tiers = by_node.setdefault(node, {})
+                for t in (1, 2, 3):
+                    if mask & (1 << t):
+                        tiers.setdefault(t, []).append(h)
+            out[i] = [(nid, peer_of.get(nid, ""), tiers) for nid, tiers in by_node.items()]
         return out
-
-    @staticmethod
-    def _decode_match(flat: list[Any], peers: list[Any]) -> list[Match]:
-        peer_of = {peers[i].decode(): peers[i + 1].decode() for i in range(0, len(peers), 2)}
-        by_node: dict[str, dict[int, list[str]]] = {}
-        for i in range(0, len(flat), 3):
-            h, node, mask = flat[i].decode(), flat[i + 1].decode(), int(flat[i + 2])
-            tiers = by_node.setdefault(node, {})
-            for t in (1, 2, 3):
-                if mask & (1 << t):
-                    tiers.setdefault(t, []).append(h)
-        return [(nid, peer_of.get(nid, ""), tiers) for nid, tiers in by_node.items()]
 
     async def hit_counts(self, hashes: list[str]) -> list[tuple[str, int]]:
         if not hashes:

@@ -225,7 +225,13 @@ class InMemoryStore:
             self._remove_external(node_id, gone, t)
 
     async def match_external(self, hashes: list[str], count_as_hit: bool) -> list[Match]:
+        return self._match(hashes, count_as_hit, time.monotonic())
+
+    async def match_external_many(self, queries: list[tuple[list[str], bool]]) -> list[list[Match]]:
         now = time.monotonic()
+        return [self._match(hs, hit, now) for hs, hit in queries]
+
+    def _match(self, hashes: list[str], count_as_hit: bool, now: float) -> list[Match]:
         by_node: dict[str, dict[int, list[str]]] = {}
         matched: list[str] = []
         alive: dict[str, bool] = {}
@@ -242,9 +248,8 @@ class InMemoryStore:
                     continue
                 hit = True
                 tiers = by_node.setdefault(nid, {})
-                for t in TIER_BITS:
-                    if mask & (1 << t):
-                        tiers.setdefault(t, []).append(h)
+                for t in _MASK_TIERS[mask]:
+                    tiers.setdefault(t, []).append(h)
             if hit:
                 matched.append(h)
         if count_as_hit and matched:
@@ -260,9 +265,6 @@ class InMemoryStore:
                     e[1] = wall
                     self._hits.move_to_end(h)
         return [(nid, self._nodes[nid].rec.peer_address, tiers) for nid, tiers in by_node.items()]
-
-    async def match_external_many(self, queries: list[tuple[list[str], bool]]) -> list[list[Match]]:
-        return [await self.match_external(hs, hit) for hs, hit in queries]
 
     async def hit_counts(self, hashes: list[str]) -> list[tuple[str, int]]:
         cutoff = time.time() - self.limits.hit_ttl_s
@@ -299,6 +301,8 @@ class InMemoryStore:
 
 
 TIER_BITS = (1, 2, 3)
+#: tier bitmask (bit t set: held at tier t) -> its tiers, fastest first
+_MASK_TIERS = tuple(tuple(t for t in TIER_BITS if m & (1 << t)) for m in range(1 << (max(TIER_BITS) + 1)))
 
 
 def node_to_dict(rec: NodeRecord) -> dict[str, Any]:

@@ -104,6 +104,13 @@ def _list(method: str, name: str, v: Any, max_batch: int) -> list[Any]:
     return v
 
 
+def _strs(method: str, name: str, v: Any, max_batch: int) -> list[str]:
+    items = _list(method, name, v, max_batch)
+    if all(type(s) is str for s in items):  # the common case, checked without a call per item
+        return items
+    return [_str(method, f"{name}[]", s) for s in items]  # raises, naming the field
+
+
 def check(method: str, msg: Any, max_batch: int) -> dict[str, Any]:
     """Validate a decoded request against its schema; returns it with defaults filled in."""
     schema = SCHEMAS[method]
@@ -136,8 +143,7 @@ def check(method: str, msg: Any, max_batch: int) -> dict[str, Any]:
                 raise WireError(f"{method}: field {name!r} is required")
             out[name] = _tier(method, name, v)
         elif kind == "strs":
-            items = _list(method, name, [] if v is None else v, MAX_TAGS if name == "tags" else max_batch)
-            out[name] = [_str(method, f"{name}[]", s) for s in items]
+            out[name] = _strs(method, name, [] if v is None else v, MAX_TAGS if name == "tags" else max_batch)
         elif kind == "uints":
             items = _list(method, name, [] if v is None else v, max_batch)
             out[name] = [_uint(method, f"{name}[]", s) for s in items]
@@ -168,10 +174,7 @@ def check(method: str, msg: Any, max_batch: int) -> dict[str, Any]:
             for it in items:
                 if not isinstance(it, list) or len(it) != 2 or not isinstance(it[1], bool):
                     raise WireError(f"{method}: field {name!r} entries must be [hashes, count_as_hit]")
-                hs = [
-                    _str(method, "queries[].hashes[]", h)
-                    for h in _list(method, "queries[].hashes", it[0], max_batch)
-                ]
+                hs = _strs(method, "queries[].hashes", it[0], max_batch)
                 total += len(hs)
                 if total > max_batch:
                     raise WireError(f"{method}: more than {max_batch} hashes in all queries")
