@@ -73,7 +73,7 @@ IMPLS = ("auto", "host", "triton")
 #: kernel types that may use a routing handle (as in the original: IntraNode and InterNodeV1)
 _ROUTING_KERNELS = (KT.IntraNode, KT.InterNodeV1)
 #: the error for inter-node kernel types where tokens would have to leave a GPU by themselves
-_NEEDS_PROXY = (
+_NO_INTERNODE_KERNELS = (
     "their Triton kernels (device-initiated inter-node traffic through the SHMEM proxy) are not written yet "
     "(issue 19); "
     "on the cpu runtime (MORI_DEVICE_RUNTIME=cpu) the host path runs these kernel types with impl='auto' "
@@ -328,7 +328,7 @@ class EpDispatchCombineOp:
         if inter and impl == "triton":
             raise MoriBackendError(
                 f"{func}: kernel_type {config.kernel_type.name} with impl='triton': the Triton kernels "
-                f"implement the single-node kernel types only; {_NEEDS_PROXY}"
+                f"implement the single-node kernel types only; {_NO_INTERNODE_KERNELS}"
             )
         if inter:
             internode.check_config(func, config)
@@ -367,7 +367,7 @@ class EpDispatchCombineOp:
         if inter and self._agree.device.type != "cpu":
             problem = MoriBackendError(
                 f"{func}: kernel_type {config.kernel_type.name} on the {self._agree.device.type} heap: "
-                f"{_NEEDS_PROXY}"
+                f"{_NO_INTERNODE_KERNELS}"
             )
         elif far and not inter:
             problem = MoriBackendError(
