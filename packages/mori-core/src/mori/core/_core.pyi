@@ -354,6 +354,57 @@ class XgmiSessionPost:
     def read(self, local_offset: int, remote_offset: int, size: int, uid: int) -> TransferStatus: ...
     def write(self, local_offset: int, remote_offset: int, size: int, uid: int) -> TransferStatus: ...
 
+class RmaQueue:
+    """The RDMA backend's data path: checks, merges and posts a transfer's blocks on a network transport (mori.core.transport) and completes its status, in the waiting thread or a completion thread (csrc/transfer/rma_queue.hpp)."""
+    def __init__(
+        self, instance: TransportInstance, engine: TcpEngine | None, notify: bool, timeout_ms: int
+    ) -> None: ...
+    def post(
+        self,
+        op: str,
+        local_memory: TransportMemory,
+        endpoint: TransportEndpoint,
+        rkey: TransportRemoteKey,
+        remote_base: int,
+        remote_size: int,
+        local_offsets: Sequence[int],
+        remote_offsets: Sequence[int],
+        sizes: Sequence[int],
+        uid: int,
+        peer: str,
+    ) -> TransferStatus: ...
+    def session(
+        self,
+        local_memory: TransportMemory,
+        endpoint: TransportEndpoint,
+        rkey: TransportRemoteKey,
+        remote_base: int,
+        remote_size: int,
+        peer: str,
+    ) -> RmaSessionPost: ...
+    def drain(self, timeout_ms: int = -1) -> bool: ...
+    def counters(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+
+class RmaSessionPost:
+    """Posts between two regions on the RDMA route (RmaQueue.session); TypeError as SessionPost."""
+    def batch_read(
+        self,
+        local_offsets: Sequence[int],
+        remote_offsets: Sequence[int],
+        sizes: Sequence[int],
+        uid: int,
+    ) -> TransferStatus: ...
+    def batch_write(
+        self,
+        local_offsets: Sequence[int],
+        remote_offsets: Sequence[int],
+        sizes: Sequence[int],
+        uid: int,
+    ) -> TransferStatus: ...
+    def read(self, local_offset: int, remote_offset: int, size: int, uid: int) -> TransferStatus: ...
+    def write(self, local_offset: int, remote_offset: int, size: int, uid: int) -> TransferStatus: ...
+
 def wait_all(statuses: Sequence[TransferStatus], timeout_ms: int) -> StatusCode: ...
 def transfer_set_log_level(level: int) -> None: ...
 def transfer_get_log_level() -> int: ...

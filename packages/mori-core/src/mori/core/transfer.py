@@ -7,6 +7,10 @@
   backend is a thin adapter onto it.
 * :class:`XgmiQueue`: peer copies between GPU memories of one node (XGMI / NVLink) on the device
   plugins' driver functions, with the scatter-gather kernel; mori-io's XGMI backend.
+* :class:`RmaQueue`: a transfer's blocks on a network transport of the contract
+  (:mod:`mori.core.transport`): checked, merged, posted and completed natively (in the waiting
+  thread, or its completion thread), with the notice to the target over a :class:`TcpEngine`;
+  mori-io's RDMA backend.
 * :class:`TransferStatus` and :class:`StatusCode`: the state of one transfer (the original's
   names; ``set_in_progress``/``complete`` are for backends written in Python).
 
@@ -18,6 +22,8 @@ from __future__ import annotations
 
 from mori.core._core import (
     GpuCopier,
+    RmaQueue,
+    RmaSessionPost,
     SessionPost,
     StatusCode,
     TcpEngine,
@@ -34,6 +40,8 @@ from mori.core._core import transfer_set_log_level as set_log_level
 
 __all__ = [
     "GpuCopier",
+    "RmaQueue",
+    "RmaSessionPost",
     "SessionPost",
     "StatusCode",
     "TcpEngine",

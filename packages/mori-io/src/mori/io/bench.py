@@ -139,6 +139,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "as a tuning user would); the engines themselves are left at their defaults",
     )
     p.add_argument(
+        "--netns",
+        choices=["on", "off"],
+        default="off",
+        help="cpu, as root: put the target in a network namespace of its own and the initiators in another, "
+        "joined by a veth pair (created and deleted by the run), so every byte crosses a network stack: "
+        "UCX (mori's transport and NIXL's) on TCP over the veth only, the engines on the veth addresses "
+        "with a shared secret, the TCP backend without cross-memory attach",
+    )
+    p.add_argument(
         "--nixl",
         choices=["on", "off"],
         default="on",
@@ -308,7 +317,7 @@ def _make_engine(key: str, cma: bool, backend: str = "tcp") -> Any:
     network transport (``MORI_IO_RDMA_TRANSPORT``, default ucx) and the TCP one beside it."""
     from mori.io import BackendType, IOEngine, IOEngineConfig, RdmaBackendConfig, TcpBackendConfig
 
-    engine = IOEngine(key, IOEngineConfig("127.0.0.1", 0))
+    engine = IOEngine(key, IOEngineConfig(os.environ.get("MORI_BENCH_IO_HOST", "127.0.0.1"), 0))
     engine.create_backend(BackendType.TCP, TcpBackendConfig(enable_cma=cma))
     if backend == "rdma":
         engine.create_backend(BackendType.RDMA, RdmaBackendConfig(enable_notification=False))
@@ -414,11 +423,113 @@ def _exit_without_teardown(code: int) -> None:
     os._exit(code)
 
 
+# -- across network namespaces (--netns on) ---------------------------------------------------------------
+
+CLONE_NEWNET, CLONE_NEWNS = 0x40000000, 0x00020000
+MS_REC, MS_SLAVE, MNT_DETACH = 0x4000, 1 << 19, 2
+#: a process started before the initiator leaves its namespaces: deletes them when its stdin closes
+#: (the run ended, or the initiator died)
+_JANITOR = (
+    "import subprocess, sys\n"
+    "sys.stdin.read()\n"
+    "for ns in sys.argv[1:]:\n"
+    "    subprocess.run(['ip', 'netns', 'del', ns], capture_output=True, check=False)\n"
+)
+
+
+def _ip(*args: str) -> None:
+    import subprocess
+
+    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
+    if r.returncode != 0:
+        raise SystemExit(f"mori bench io --netns on: ip {' '.join(args)} failed: {r.stderr.strip()}")
+
+
+def make_namespaces() -> tuple[list[str], Any]:
+    """Two network namespaces joined by a veth pair: ``["ns,dev,ip", "ns,dev,ip"]`` (initiators,
+    target) and the janitor process that deletes them once its stdin closes."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0:
+        raise SystemExit("mori bench io --netns on: network namespaces need root (ip netns add)")
+    if shutil.which("ip") is None:
+        raise SystemExit("mori bench io --netns on: the ip command (iproute2) is not installed")
+    tag = f"{os.getpid() % 100000}"
+    names = [f"mori-bench-{tag}-a", f"mori-bench-{tag}-b"]
+    veths = [f"mb{tag}a", f"mb{tag}b"]
+    subnet = f"10.233.{os.getpid() % 250}"
+    janitor = subprocess.Popen([sys.executable, "-c", _JANITOR, *names], stdin=subprocess.PIPE)
+    try:
+        for ns in names:
+            _ip("netns", "add", ns)
+        _ip("link", "add", veths[0], "type", "veth", "peer", "name", veths[1])
+        for i in range(2):
+            _ip("link", "set", veths[i], "netns", names[i])
+            _ip("-n", names[i], "addr", "add", f"{subnet}.{i + 1}/24", "dev", veths[i])
+            _ip("-n", names[i], "link", "set", veths[i], "up")
+            _ip("-n", names[i], "link", "set", "lo", "up")
+    except BaseException:
+        assert janitor.stdin is not None
+        janitor.stdin.close()
+        janitor.wait(30)
+        raise
+    return [f"{names[i]},{veths[i]},{subnet}.{i + 1}" for i in range(2)], janitor
+
+
+def enter_namespace(spec: str) -> None:
+    """Enter the network namespace of ``spec`` ("ns,dev,ip") as ``ip netns exec`` does (with that
+    namespace's /sys, where UCX finds its devices), and point UCX and the engines at its veth end."""
+    import ctypes
+
+    ns, dev, ip = spec.split(",")
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {ns}")
+    finally:
+        os.close(fd)
+    if libc.unshare(CLONE_NEWNS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+    if libc.mount(b"none", b"/", None, MS_REC | MS_SLAVE, None) != 0:
+        raise OSError(ctypes.get_errno(), "mount --make-rslave /")
+    libc.umount2(b"/sys", MNT_DETACH)
+    if libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None) != 0:
+        raise OSError(ctypes.get_errno(), "mount sysfs")
+    os.environ.update(
+        {
+            "MORI_BENCH_IO_HOST": ip,
+            "MORI_NODE_ID": f"bench-{ns}",
+            "MORI_UCX_OPTIONS": f"tls=tcp;net_devices={dev}",
+            "UCX_TLS": "tcp",
+            "UCX_NET_DEVICES": dev,
+        }
+    )
+
+
+def veth_bytes(spec: str) -> int:
+    """Bytes sent by this namespace's veth end so far."""
+    import json
+    import subprocess
+
+    ns, dev, _ = spec.split(",")
+    r = subprocess.run(
+        ["ip", "-n", ns, "-s", "-j", "link", "show", dev], capture_output=True, text=True, check=False
+    )
+    try:
+        return int(json.loads(r.stdout)[0]["stats64"]["tx"]["bytes"])
+    except Exception:
+        return -1
+
+
 def _target(conn: Any, nbytes: int, cma: bool, use_nixl: bool, env: dict[str, str], buffers: str) -> None:
     """The target process: owns registered memory (mori and, during NIXL's phases, NIXL), answers
     digests, exits on "stop"."""
     os.environ.update(env)
     code = 0
+    if env.get("MORI_BENCH_IO_NETNS"):
+        enter_namespace(env["MORI_BENCH_IO_NETNS"])
     try:
         import torch
 
@@ -783,6 +894,27 @@ def markdown_table(rows: Sequence[dict[str, Any]], baseline: str, baseline_key: 
 
 
 def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    if args.netns != "on":
+        return _run_cpu(args, None)
+    import secrets
+
+    specs, janitor = make_namespaces()
+    try:
+        os.environ["MORI_IO_AUTH_TOKEN"] = secrets.token_hex(16)  # the engines listen on the veth
+        enter_namespace(
+            specs[0]
+        )  # this process (and NIXL's initiator, spawned from it); the target: specs[1]
+        args.tcp_cma = "off"  # cross-memory attach would go around the veth
+        args.ucx_tls = "tcp"
+        return _run_cpu(args, specs)
+    finally:
+        janitor.stdin.close()
+        janitor.wait(30)
+
+
+def _run_cpu(
+    args: argparse.Namespace, netns: list[str] | None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     nbytes = args.max_bytes
     env: dict[str, str] = {"MORI_BENCH_IO_BACKEND": args.backend}  # the target's engine gets the same backend
     log_dir = tempfile.mkdtemp(prefix="mori-bench-io-ucx-")
@@ -793,8 +925,10 @@ def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
         env["UCX_LOG_FILE"] = os.path.join(log_dir, "ucx.%p.log")
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
+    target_env = {**env, "MORI_BENCH_IO_NETNS": netns[1]} if netns else env
     proc = ctx.Process(
-        target=_target, args=(child, nbytes, args.tcp_cma == "on", args.nixl == "on", env, args.buffers)
+        target=_target,
+        args=(child, nbytes, args.tcp_cma == "on", args.nixl == "on", target_env, args.buffers),
     )
     proc.start()
     parent = Peer("target", conn, proc, args.timeout)
@@ -811,8 +945,15 @@ def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
             huge["nixl initiator"] = nixl.huge
         check = min(4 * MiB, nbytes // 2)
         verified: dict[str, bool] = {"mori": ini.verify(check)}
+        where = (
+            f"across 2 network namespaces joined by a veth pair ({netns[0].split(',')[2]} -> {netns[1].split(',')[2]}, "
+            "UCX on TCP over the veth only, no cross-memory attach)"
+            if netns
+            else "on loopback"
+        )
+        sent0 = [veth_bytes(s) for s in netns] if netns else []
         print(
-            f"mori bench io --device cpu: 2 processes on loopback, mode {args.mode}, route {ini.route()!r}, "
+            f"mori bench io --device cpu: 2 processes {where}, mode {args.mode}, route {ini.route()!r}, "
             f"{args.reps} reps, buffers {bench.human_bytes(nbytes)} on "
             + ("4 KiB pages (--buffers pages)" if args.buffers == "pages" else "huge pages (--buffers huge)")
             + ", share on huge pages now: "
@@ -838,6 +979,11 @@ def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
         for row in rows:
             _print_row(row)
         route = ini.route()
+        veth = [veth_bytes(s) - b for s, b in zip(netns, sent0, strict=True)] if netns else []
+        if netns:
+            print(
+                f"bytes sent over the veth during the run: initiators' end {veth[0]}, target's end {veth[1]}"
+            )
         ini.engine.shutdown()
         if nixl is not None:
             nixl.stop()
@@ -850,6 +996,9 @@ def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
     transports = ucx_transports(log_dir)
     info = {
         "route": route,
+        "netns": (
+            {"initiators": netns[0], "target": netns[1], "veth_tx_bytes": veth} if netns else "off (loopback)"
+        ),
         "mode": args.mode,
         "tcp_cma": args.tcp_cma,
         "backend": args.backend,

@@ -7,6 +7,12 @@ control stays on the engine's authenticated TCP connections: a target learns tha
 its memory finished through a notice the initiator sends after the transfer's data is remotely
 complete (``enable_notification``), credited to the key that connection authenticated.
 
+Per transfer nothing runs in Python beyond the call: mori-core's native
+:class:`~mori.core.transfer.RmaQueue` checks every block against the local registration and the
+remote descriptor, merges contiguous blocks, posts them and (for a write) one flush without the
+GIL, and completes the status in the thread that waits for it (``Wait``/``WaitFor``), or in its
+own completion thread for statuses nobody waits for; then it sends the notice.
+
 Memory. Registration registers the region with the transport; the descriptor's ``ipc_handle``
 carries (under this backend's name, see :func:`mori.io.handles.backend_handle`) the transport's
 name, the owning engine's transport address, the remote key and the region's base. A peer reaches
@@ -29,7 +35,7 @@ from typing import Any
 import msgpack
 
 from mori.core.errors import MoriBackendError
-from mori.core.transfer import StatusCode, TransferStatus
+from mori.core.transfer import RmaQueue, TransferStatus
 from mori.core.transport import (
     CAP_CUDA_MEMORY,
     MEM_CUDA,
@@ -37,7 +43,6 @@ from mori.core.transport import (
     TransportEndpoint,
     TransportMemory,
     TransportRemoteKey,
-    TransportRequest,
     find_network_transport,
     open_transport,
 )
@@ -54,28 +59,12 @@ def create_backend(engine: Any, config: RdmaBackendConfig | None) -> RdmaBackend
     return RdmaBackend(engine, config or RdmaBackendConfig())
 
 
-class _Pending:
-    """One transfer: its requests, then a flush, then (with notifications) the notice. ``error``:
-    why posting stopped part-way (the requests posted before still complete first)."""
-
-    __slots__ = ("ep", "error", "notify_key", "reqs", "status", "uid")
-
-    def __init__(
-        self,
-        status: TransferStatus,
-        reqs: list[TransportRequest],
-        ep: TransportEndpoint,
-        uid: int,
-        notify_key: str,
-    ) -> None:
-        self.status, self.reqs, self.ep, self.uid, self.notify_key = status, reqs, ep, uid, notify_key
-        self.error = ""
-
-
 class RdmaBackend:
     """See the module docstring."""
 
     preference = 50  # above TCP (0), below a same-node GPU path (XGMI, 100)
+    #: post() checks every block against both regions itself (the engine may skip its per-block checks)
+    checks_ranges = True
 
     def __init__(self, engine: Any, config: RdmaBackendConfig) -> None:
         self.engine = engine
@@ -94,12 +83,10 @@ class RdmaBackend:
         self.mems: dict[int, TransportMemory] = {}
         self.eps: dict[bytes, TransportEndpoint] = {}
         self.keys: dict[tuple[str, int], tuple[TransportEndpoint, TransportRemoteKey, int]] = {}
-        self.pending: list[_Pending] = []
-        self.wake = threading.Condition(self.lock)
-        self.closed = False
         self.timeout_ms = int(getattr(engine, "_cp_timeout_ms", 30000))
-        self.completer = threading.Thread(target=self._complete_loop, name="mori-io-rdma", daemon=True)
-        self.completer.start()
+        # the data path: posts, completion (in the waiting thread, or the queue's own) and the
+        # notice to the target, natively (mori.core.transfer.RmaQueue)
+        self.queue = RmaQueue(self.tp, engine._native if self.notify else None, self.notify, self.timeout_ms)
 
     # -- routing ----------------------------------------------------------------------------------
 
@@ -129,7 +116,8 @@ class RdmaBackend:
         with self.lock:
             mem = self.mems.pop(desc.id, None)
         if mem is not None:
-            self.tp.flush_all().wait(self.timeout_ms)  # every operation that could touch it is complete
+            self.queue.drain(self.timeout_ms)  # every transfer that could touch it is complete
+            self.tp.flush_all().wait(self.timeout_ms)
 
     def on_register_remote_engine(self, desc: EngineDesc) -> None:
         pass
@@ -178,61 +166,38 @@ class RdmaBackend:
         sizes: Sequence[int],
         uid: int,
     ) -> TransferStatus:
+        """One transfer through the native queue. TypeError unless offsets and sizes are lists or
+        tuples of non-negative ints (the engine then names the bad argument)."""
         mem = self.mems.get(local.id)
         if mem is None:
             raise MoriBackendError(f"local memory {local.id} is not registered with the RDMA backend")
         ep, rk, base = self._remote(remote)
-        st = TransferStatus()
-        st.set_in_progress()
-        pending = _Pending(st, [], ep, uid, remote.engine_key)
-        move = ep.put if op == "write" else ep.get
-        try:
-            for lo, ro, n in _merged(local_offsets, remote_offsets, sizes):
-                pending.reqs.append(move(local.data + lo, mem, base + ro, rk, n))
-        except Exception as e:  # the ones posted still complete first; the status says what failed
-            pending.error = str(e)
-        self._enqueue(pending)
+        st: TransferStatus = self.queue.post(
+            op,
+            mem,
+            ep,
+            rk,
+            base,
+            remote.size,
+            local_offsets if type(local_offsets) in (list, tuple) else list(local_offsets),
+            remote_offsets if type(remote_offsets) in (list, tuple) else list(remote_offsets),
+            sizes if type(sizes) in (list, tuple) else list(sizes),
+            uid,
+            remote.engine_key,
+        )
         return st
 
-    def _enqueue(self, p: _Pending) -> None:
-        with self.wake:
-            self.pending.append(p)
-            self.wake.notify()
-
-    def _complete_loop(self) -> None:
-        """Completes statuses in order: every request of a transfer, a flush (remote completion),
-        then the notice to the target."""
-        while True:
-            with self.wake:
-                while not self.pending and not self.closed:
-                    self.wake.wait()
-                if not self.pending:
-                    return
-                p = self.pending.pop(0)
-            code, msg = StatusCode.SUCCESS, ""
-            try:
-                for r in p.reqs:
-                    r.wait(self.timeout_ms)
-                if p.reqs:
-                    p.ep.flush().wait(self.timeout_ms)
-            except Exception as e:
-                code, msg = StatusCode.ERR_RDMA_OP, str(e)
-            if p.error and code == StatusCode.SUCCESS:
-                code, msg = StatusCode.ERR_RDMA_OP, p.error
-            if self.notify:
-                why = self.engine._native.notice(p.notify_key, p.uid, 1, int(code))
-                if why and code == StatusCode.SUCCESS:
-                    code, msg = (
-                        StatusCode.ERR_BAD_STATE,
-                        f"the data arrived, but the target was not told: {why}",
-                    )
-            p.status.complete(int(code), msg)
+    def session_post(self, local: MemoryDesc, remote: MemoryDesc) -> Any:
+        """The native half of an IOEngineSession between ``local`` and ``remote``: read, write,
+        batch_read, batch_write with the offsets, sizes and uid (TypeError as :meth:`post`)."""
+        mem = self.mems.get(local.id)
+        if mem is None:
+            raise MoriBackendError(f"local memory {local.id} is not registered with the RDMA backend")
+        ep, rk, base = self._remote(remote)
+        return self.queue.session(mem, ep, rk, base, remote.size, remote.engine_key)
 
     def close(self) -> None:
-        with self.wake:
-            self.closed = True
-            self.wake.notify()
-        self.completer.join(timeout=self.timeout_ms / 1000 + 5)
+        self.queue.close()  # every pending transfer completes (or fails at its timeout) first
         with self.lock:
             self.keys.clear()
             self.eps.clear()
@@ -257,19 +222,6 @@ def _parse(remote: MemoryDesc) -> dict[str, Any] | None:
         and info["b"] == remote.data  # the descriptor names the region that was registered
     )
     return info if ok else None
-
-
-def _merged(loffs: Sequence[int], roffs: Sequence[int], sizes: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Blocks contiguous on both sides merged into one (fewer operations)."""
-    out: list[tuple[int, int, int]] = []
-    for lo, ro, n in zip(loffs, roffs, sizes, strict=True):
-        if not n:
-            continue
-        if out and out[-1][0] + out[-1][2] == lo and out[-1][1] + out[-1][2] == ro:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
-        else:
-            out.append((lo, ro, n))
-    return out
 
 
 def _override(value: bool | None, default: bool) -> bool:
