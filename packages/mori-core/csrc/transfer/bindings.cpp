@@ -11,6 +11,7 @@
 #include "../registry.hpp"
 #include "engine.hpp"
 #include "gpu_copier.hpp"
+#include "sched.hpp"
 #include "xgmi_queue.hpp"
 
 namespace py = pybind11;

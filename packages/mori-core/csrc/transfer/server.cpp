@@ -19,6 +19,7 @@
 #include "auth.hpp"
 #include "engine.hpp"
 #include "log.hpp"
+#include "sched.hpp"
 #include "wire.hpp"
 
 namespace mori::transfer {
