@@ -30,7 +30,7 @@ bool refused_errno(int e) { return e == EPERM || e == EACCES || e == ENOSYS; }
 // target-side path.
 std::shared_ptr<Direct> Engine::open_direct(const DirectGrant& g, std::vector<Fd>& fds, PeerCred cred,
                                             const std::shared_ptr<Conn>& conn0, std::string* why) {
-  if (refuse_direct) {
+  if (test.refuse_direct) {
     *why = "test mode: attach refused";
     return nullptr;
   }
@@ -265,8 +265,8 @@ bool Engine::direct_post(Direct& d, const std::string& peer_key, uint16_t op, ui
       const uint64_t lo = std::max(raddr + s.off, ent.huge_lo), hi = std::min(raddr + s.off + s.len, ent.huge_hi);
       if (hi > lo) on_huge += hi - lo;
     }
-    if (code == SUCCESS && direct_delay_ms.load() > 0)
-      std::this_thread::sleep_for(std::chrono::milliseconds(direct_delay_ms.load()));
+    if (code == SUCCESS && test.direct_delay_ms > 0)
+      std::this_thread::sleep_for(std::chrono::milliseconds(int64_t(test.direct_delay_ms)));
     if (code == SUCCESS && total > 0) {
       // Per-thread lists: a post of a few blocks then allocates nothing (kept small, see below).
       static thread_local std::vector<iovec> mine, theirs;

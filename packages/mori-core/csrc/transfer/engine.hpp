@@ -328,13 +328,23 @@ class Engine {
   // What peers were refused or lost (see counters()).
   std::atomic<int64_t> connections_refused{0}, handshakes_failed{0}, auth_failures{0}, accept_errors{0},
       idle_closed{0}, protocol_errors{0}, thread_failures{0}, torn_transfers{0};
-  // Test mode: answer every attach request as if the OS refused it and grant no table (exercises
-  // the failover).
-  std::atomic<bool> refuse_cma{false};
-  // Test modes of the initiator: the direct path's probe fails as with EPERM; each direct copy
-  // sleeps this long after its bounds check (makes a deregistration race deterministic).
-  std::atomic<bool> refuse_direct{false};
-  std::atomic<int64_t> direct_delay_ms{0};
+  // Test modes, settable only in a test build (MORI_TEST_HOOKS: test_hooks.cpp); elsewhere they
+  // are constants that the compiler folds away.
+  struct TestModes {
+#ifdef MORI_TEST_HOOKS
+    // Target: answer every attach request as if the OS refused it and grant no table (exercises
+    // the failover).
+    std::atomic<bool> refuse_cma{false};
+    // Initiator: the direct path's probe fails as with EPERM; each direct copy sleeps this long
+    // after its bounds check (makes a deregistration race deterministic).
+    std::atomic<bool> refuse_direct{false};
+    std::atomic<int64_t> direct_delay_ms{0};
+#else
+    static constexpr bool refuse_cma = false;
+    static constexpr bool refuse_direct = false;
+    static constexpr int64_t direct_delay_ms = 0;
+#endif
+  } test;
   // used by connections (initiator side)
   std::shared_ptr<Direct> open_direct(const DirectGrant& g, std::vector<Fd>& fds, PeerCred cred,
                                       const std::shared_ptr<Conn>& conn0, std::string* why);
