@@ -179,28 +179,43 @@ def _builder(session: nox.Session, dist: Dist, tag: str) -> Path:
     return venv
 
 
-def _wheels(session: nox.Session, dists: Sequence[Dist]) -> list[str]:
-    """Return one wheel per distribution, building only those whose sources changed."""
+def _test_hooks(dist: Dist) -> bool:
+    """Whether ``dist``'s native build has test-only hooks behind the CMake option MORI_TEST_HOOKS."""
+    cmake = dist.path / "CMakeLists.txt"
+    return dist.native and cmake.is_file() and "MORI_TEST_HOOKS" in cmake.read_text()
+
+
+def _wheels(session: nox.Session, dists: Sequence[Dist], *, test_build: bool = False) -> list[str]:
+    """Return one wheel per distribution, building only those whose sources changed.
+
+    ``test_build``: native distributions with test-only hooks are built with them (the tests'
+    wheels), cached apart from the release builds every other session installs.
+    """
     cache = session.cache_dir.resolve() / "wheels"
     tag = _python_tag(session)
     wheels: list[str] = []
     with _locked(cache / ".lock"):
         for dist in dists:
-            key = f"{dist.name}-{tag}-{_source_key(dist, tag)}"
+            hooks = test_build and _test_hooks(dist)
+            flavour = f"{tag}-test" if hooks else tag
+            key = f"{dist.name}-{flavour}-{_source_key(dist, tag)}"
             slot = cache / key
             found = sorted(slot.glob("*.whl")) if slot.is_dir() else []
             if found:
                 session.log(f"{dist.name}: reusing {found[0].relative_to(cache)} (sources unchanged)")
             else:
-                for stale in cache.glob(f"{dist.name}-{tag}-*"):
-                    shutil.rmtree(stale)
+                for stale in cache.glob(f"{dist.name}-{flavour}-*"):
+                    if hooks or not stale.name.startswith(f"{dist.name}-{tag}-test-"):
+                        shutil.rmtree(stale)
                 tmp = cache / f".tmp-{key}"
                 shutil.rmtree(tmp, ignore_errors=True)
                 wheel = ["-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(tmp)]
                 if dist.native:
                     builder = _builder(session, dist, tag) / "bin" / "python"
-                    build_dir = session.cache_dir.resolve() / "cmake-build" / f"{dist.name}-{tag}"
+                    build_dir = session.cache_dir.resolve() / "cmake-build" / f"{dist.name}-{flavour}"
                     no_isolation = ["--no-build-isolation", "--config-settings", f"build-dir={build_dir}"]
+                    if hooks:
+                        no_isolation += ["--config-settings", "cmake.define.MORI_TEST_HOOKS=ON"]
                     session.run(str(builder), *wheel, *no_isolation, dist.rel, external=True)
                 else:
                     session.run("python", *wheel, dist.rel)
@@ -212,13 +227,15 @@ def _wheels(session: nox.Session, dists: Sequence[Dist]) -> list[str]:
     return wheels
 
 
-def _install_dists(session: nox.Session, dists: Sequence[Dist], *deps: str, compile_: bool = False) -> None:
+def _install_dists(
+    session: nox.Session, dists: Sequence[Dist], *deps: str, compile_: bool = False, test_build: bool = False
+) -> None:
     """Install ``deps`` (third-party) and the local distributions from their cached wheels.
 
     Byte-compiling torch at install time costs ~15 s; it pays off only where many processes
-    import it (the tests), so other sessions install with --no-compile.
+    import it (the tests), so other sessions install with --no-compile. ``test_build``: see _wheels.
     """
-    wheels = _wheels(session, dists)
+    wheels = _wheels(session, dists, test_build=test_build)
     opts = [] if compile_ else ["--no-compile"]
     # pip is silent under nox: one line per step, torch (the long one) on its own
     first = [d for d in deps if d == TORCH]
@@ -324,7 +341,8 @@ def _tests(session: nox.Session, arch: str) -> None:
         deps += MPI_DEPS
     else:
         session.log("mpirun is not on PATH: mpi4py is not installed and the tests marked mpi will skip")
-    _install_dists(session, DISTS, *deps, compile_=True)
+    # the tests' build of mori-core has its test-only hooks (mori.core.test_hooks)
+    _install_dists(session, DISTS, *deps, compile_=True, test_build=True)
 
     if arch != "cpu":  # the GPU is there: torch must see it, or the run would prove nothing
         probe = "import torch; assert torch.cuda.is_available() and torch.cuda.device_count() > 0"
@@ -490,6 +508,14 @@ for module, dist in missing.items():
             sys.exit(f"{{how}} {{module}} worked, but {{dist}} is not installed")
 """
 
+_CHECK_RELEASE = """
+import mori.core._core, mori.core.test_hooks
+# the wheel users get carries no test-only hooks (CMake option MORI_TEST_HOOKS, off)
+assert not hasattr(mori.core._core, "_testing"), "mori-core's wheel carries the test hooks"
+assert mori.core.test_hooks.AVAILABLE is False
+print("mori-core's native module has no test hooks")
+"""
+
 _CHECK_EDITABLE = """
 import mori.shmem, mori.ep
 for m in (mori.shmem, mori.ep):
@@ -544,6 +570,7 @@ def build(session: nox.Session) -> None:
         session, core_only, "check_imports.py", _CHECK_IMPORTS.format(modules=["mori.core", "mori.shmem"])
     )
     _in_venv(session, core_only, "mori", "backends")
+    _script(session, core_only, "check_release.py", _CHECK_RELEASE)
     # every component the full install has that mori-core does not provide
     others = {
         m: d.name

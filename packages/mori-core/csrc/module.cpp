@@ -41,7 +41,13 @@ PYBIND11_MODULE(_core, m) {
   mori::register_atomics(m);
   mori::register_copy(m);
   mori::register_transport(m);
-  mori::register_transfer(m);
+  mori::register_transfer_status(m);
+  mori::register_tcp_engine(m);
+  mori::register_xgmi_queue(m);
+  mori::register_rma_queue(m);
   mori::register_tcp_transport(m);
   mori::register_proxy(m);
+#ifdef MORI_TEST_HOOKS
+  mori::register_test_hooks(m);
+#endif
 }

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mori.core import test_hooks
 from mori.core.errors import MoriTimeoutError
 from mori.io import EngineDesc, MemoryDesc, MemoryLocationType, StatusCode, TcpBackendConfig
 from mori.testing import run_ranks
@@ -106,7 +107,7 @@ def _connected(a, mx, my) -> None:
 def test_deregister_waits_for_a_copy_in_flight(make) -> None:
     a, b, x, y, mx, my = _pair(make)
     _connected(a, mx, my)
-    a._native._test_direct_delay_ms(400)  # the copy sleeps after its bounds check
+    test_hooks.direct_delay_ms(a._native, 400)  # the copy sleeps after its bounds check
     result: dict[str, object] = {}
 
     def post() -> None:
@@ -129,7 +130,7 @@ def test_deregister_waits_for_a_copy_in_flight(make) -> None:
     assert result["done_at"] <= returned_at + 0.05
     # ... the bytes were all there when it returned, and nothing touches them afterwards
     assert torch.equal(snapshot, x)
-    a._native._test_direct_delay_ms(0)
+    test_hooks.direct_delay_ms(a._native, 0)
     y.zero_()
     late = a.write(mx, 0, my, 0, 4096, 3)
     late.Wait()
@@ -141,7 +142,7 @@ def test_deregister_times_out_while_a_copy_hangs(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("MORI_IO_CP_TIMEOUT_MS", "300")
     a, b, _x, _y, mx, my = _pair(make, n=4096)
     _connected(a, mx, my)
-    a._native._test_direct_delay_ms(1500)
+    test_hooks.direct_delay_ms(a._native, 1500)
     th = threading.Thread(target=lambda: a.write(mx, 0, my, 0, 4096, 1))
     th.start()
     time.sleep(0.1)
@@ -154,7 +155,7 @@ def test_refused_attach_falls_back_to_the_target(make) -> None:
     """The OS refuses the initiator's probe (as with EPERM): the target moves the bytes."""
     a, b = make("a"), make("b")
     a.register_remote_engine(b.get_engine_desc())
-    a._native._test_refuse_direct(True)  # before the first connection
+    test_hooks.refuse_direct(a._native, True)  # before the first connection
     x = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
     y = torch.zeros_like(x)
     mx, my = a.register_torch_tensor(x), b.register_torch_tensor(y)
@@ -172,7 +173,7 @@ def test_refused_attach_falls_back_to_the_target(make) -> None:
 def test_target_that_grants_no_table_is_served_the_old_way(make) -> None:
     a, b = make("a"), make("b")
     a.register_remote_engine(b.get_engine_desc())
-    b._native._test_refuse_cma(True)  # no grant, and target-side attach refused: the socket
+    test_hooks.refuse_cma(b._native, True)  # no grant, and target-side attach refused: the socket
     x = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
     y = torch.zeros_like(x)
     mx, my = a.register_torch_tensor(x), b.register_torch_tensor(y)
@@ -212,7 +213,7 @@ def test_gpu_memory_is_not_published(make) -> None:
     a, b = make("a"), make("b")
     a.register_remote_engine(b.get_engine_desc())
     for e in (a, b):  # the route needs a copier on the initiator too
-        e._native._install_test_copier()
+        test_hooks.install_copier(e._native)
     x = torch.randint(0, 256, (8192,), dtype=torch.uint8)
     y = torch.zeros_like(x)
     mx = a.register_torch_tensor(x)
@@ -453,16 +454,14 @@ def _cpu_of() -> int:
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to move between")
 def test_move_off_cpu_moves_a_thread_and_gives_its_mask_back() -> None:
-    from mori.core import transfer
-
     allowed = os.sched_getaffinity(0)
     here = _cpu_of()
-    assert transfer.move_off_cpu(0, here) is True
+    assert test_hooks.move_off_cpu(0, here) is True
     assert _cpu_of() != here
     assert os.sched_getaffinity(0) == allowed
     os.sched_setaffinity(0, {here})
     try:
-        assert transfer.move_off_cpu(0, here) is False, "moved off the only CPU it may run on"
+        assert test_hooks.move_off_cpu(0, here) is False, "moved off the only CPU it may run on"
         assert os.sched_getaffinity(0) == {here}
     finally:
         os.sched_setaffinity(0, allowed)

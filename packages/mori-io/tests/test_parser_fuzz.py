@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mori.core import transfer
+from mori.core import test_hooks
 from mori.io import MemoryLocationType
 
 HEADER = struct.Struct("<IHHIiQQQIIQII")
@@ -21,7 +21,7 @@ LIMIT_PAYLOAD = 1 << 31
 
 def _parse(data: bytes) -> dict[str, object] | None:
     try:
-        out = transfer.parse_message(data)
+        out = test_hooks.parse_message(data)
     except ValueError as e:
         assert str(e), "a rejection must say why"
         return None
@@ -129,16 +129,16 @@ def test_structured_messages_respect_the_limits(data: bytes) -> None:
 def test_parser_accepts_what_the_engine_sends() -> None:
     body = struct.pack("<QQQ", 16, 8, 0)
     msg = HEADER.pack(MAGIC, VERSION, 3, 2, 0, 7, 9, 1, 1, 24, 8, 1, 0) + body + b"x" * 8
-    out = transfer.parse_message(msg)
+    out = test_hooks.parse_message(msg)
     assert out["segments"] == [(16, 8, 0)] and out["uid"] == 9 and out["payload_len"] == 8
     hello = b"".join(struct.pack("<I", len(s)) + s for s in (b"k", b"node", b"n" * 32, b"i" * 16))
-    out = transfer.parse_message(
+    out = test_hooks.parse_message(
         HEADER.pack(MAGIC, VERSION, 1, 0, 0, 0, 0, 0, 0, len(hello), 0, 0, 0) + hello
     )
     assert out["strings"] == [b"k", b"node", b"n" * 32, b"i" * 16]
     # the old handshake's pid and nonce address in a HELLO are refused, not read
     with pytest.raises(ValueError, match="handshake message with request fields"):
-        transfer.parse_message(
+        test_hooks.parse_message(
             HEADER.pack(MAGIC, VERSION, 1, 0, 0, 0, 4096, 1234, 0, len(hello), 0, 0, 0) + hello
         )
 

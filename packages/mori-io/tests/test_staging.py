@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mori.core import test_hooks
 from mori.io import MemoryLocationType, StatusCode, TcpBackendConfig
 
 GPU, CPU = MemoryLocationType.GPU, MemoryLocationType.CPU
@@ -21,7 +22,7 @@ def staged_pair(make):
     a, b = make("a", cfg), make("b", cfg)
     a.register_remote_engine(b.get_engine_desc())
     for e in (a, b):
-        e._native._install_test_copier()
+        test_hooks.install_copier(e._native)
     return a, b
 
 
@@ -71,7 +72,7 @@ def test_without_a_copier_gpu_memory_is_refused_on_both_sides(make, monkeypatch)
     a, b = make("a"), make("b")
     a.register_remote_engine(b.get_engine_desc())
     x, y = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
-    a._native._install_test_copier()  # the initiator could stage, the target cannot
+    test_hooks.install_copier(a._native)  # the initiator could stage, the target cannot
     st = a.write(_register(a, x, CPU), 0, _register(b, y, GPU), 0, 8, 1)
     assert st.WaitFor(30_000) and st.Code() == StatusCode.ERR_INVALID_ARGS
     assert "no device copier" in st.Message()
@@ -83,8 +84,8 @@ def test_without_a_copier_gpu_memory_is_refused_on_both_sides(make, monkeypatch)
 def test_failing_device_copies_report_err_gpu_op(make, side: str, op: str) -> None:
     a, b = make("a"), make("b")
     a.register_remote_engine(b.get_engine_desc())
-    a._native._install_test_copier(fail=side == "initiator")
-    b._native._install_test_copier(fail=side == "target")
+    test_hooks.install_copier(a._native, fail=side == "initiator")
+    test_hooks.install_copier(b._native, fail=side == "target")
     x, y = torch.ones(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
     local, remote = (GPU, CPU) if side == "initiator" else (CPU, GPU)
     st = getattr(a, op)(_register(a, x, local), 0, _register(b, y, remote), 0, 4096, 1)

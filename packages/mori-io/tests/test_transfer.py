@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from mori.core import test_hooks
 from mori.io import StatusCode, TransferStatus
 
 Block = tuple[int, int, int]  # local offset, remote offset, size
@@ -170,7 +171,7 @@ def test_route_uses_attach_only_when_enabled(pair, path: str) -> None:
 def test_attach_refused_fails_over_to_socket(make) -> None:
     a, b = make("a"), make("b")
     a.register_remote_engine(b.get_engine_desc())
-    b._native._test_refuse_cma(True)
+    test_hooks.refuse_cma(b._native, True)
     x = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
     y = torch.zeros_like(x)
     mx, my = a.register_torch_tensor(x), b.register_torch_tensor(y)

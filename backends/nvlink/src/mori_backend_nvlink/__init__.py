@@ -14,14 +14,10 @@ The package is data: :data:`~mori_backend_nvlink.vendor.VENDOR` (a
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
+from mori.core.version import installed_version
 from mori_backend_nvlink.driver import CudaDriver, CudaError
 from mori_backend_nvlink.vendor import VENDOR
 
-try:
-    __version__ = version("mori-backend-nvlink")
-except PackageNotFoundError:  # running from a source tree
-    __version__ = "0.0.0"
+__version__ = installed_version("mori-backend-nvlink")
 
 __all__ = ["VENDOR", "CudaDriver", "CudaError", "__version__"]

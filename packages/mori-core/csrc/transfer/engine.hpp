@@ -247,14 +247,8 @@ struct Part {
 };
 using PartPtr = std::shared_ptr<Part>;
 
-struct Direct;  // an initiator's view of a peer's shared table (engine.cpp)
-class CopyPool;
-
-// Moves thread `tid` (0: the calling one) to a CPU other than `cpu` among those it may run on,
-// and leaves its affinity mask as it was (read before, written back after: a mask set for that
-// thread by someone else in between is overwritten). False when `cpu` is the only one allowed or
-// the kernel refused.
-bool move_off_cpu(pid_t tid, int cpu);
+struct Direct;  // an initiator's view of a peer's shared table (direct.hpp)
+class CopyPool;  // copy_pool.hpp
 
 struct Peer {
   std::string key, host;
@@ -334,13 +328,23 @@ class Engine {
   // What peers were refused or lost (see counters()).
   std::atomic<int64_t> connections_refused{0}, handshakes_failed{0}, auth_failures{0}, accept_errors{0},
       idle_closed{0}, protocol_errors{0}, thread_failures{0}, torn_transfers{0};
-  // Test mode: answer every attach request as if the OS refused it and grant no table (exercises
-  // the failover).
-  std::atomic<bool> refuse_cma{false};
-  // Test modes of the initiator: the direct path's probe fails as with EPERM; each direct copy
-  // sleeps this long after its bounds check (makes a deregistration race deterministic).
-  std::atomic<bool> refuse_direct{false};
-  std::atomic<int64_t> direct_delay_ms{0};
+  // Test modes, settable only in a test build (MORI_TEST_HOOKS: test_hooks.cpp); elsewhere they
+  // are constants that the compiler folds away.
+  struct TestModes {
+#ifdef MORI_TEST_HOOKS
+    // Target: answer every attach request as if the OS refused it and grant no table (exercises
+    // the failover).
+    std::atomic<bool> refuse_cma{false};
+    // Initiator: the direct path's probe fails as with EPERM; each direct copy sleeps this long
+    // after its bounds check (makes a deregistration race deterministic).
+    std::atomic<bool> refuse_direct{false};
+    std::atomic<int64_t> direct_delay_ms{0};
+#else
+    static constexpr bool refuse_cma = false;
+    static constexpr bool refuse_direct = false;
+    static constexpr int64_t direct_delay_ms = 0;
+#endif
+  } test;
   // used by connections (initiator side)
   std::shared_ptr<Direct> open_direct(const DirectGrant& g, std::vector<Fd>& fds, PeerCred cred,
                                       const std::shared_ptr<Conn>& conn0, std::string* why);
@@ -358,7 +362,7 @@ class Engine {
   void unbind_key(const std::string& key);
   void serve_requests(int fd, const PeerCred& cred, const std::string& peer_key, int slot);
 
-  // -- initiator side --
+  // -- initiator side (peers.cpp; direct.cpp for the direct path) --
   std::string connect_peer(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out);
   // One connection: connect (TCP to host:port, or the Unix socket `unix_name`), handshake. On
   // success *ack holds the target's parameters, *unix_out its Unix socket name and, with `direct`,
@@ -376,7 +380,7 @@ class Engine {
   int copy_parallel(bool pull, pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t total,
                     bool huge, int threads);
 
-  // -- direct path, target side: the table and its slots --
+  // -- direct path, target side: the table and its slots (table.cpp) --
   void create_table();
   TableEntry* table_entry(uint64_t id) const;
   // A fresh slot for the initiator engine `key` (process `cred`): *g and the descriptors to pass
@@ -452,9 +456,5 @@ class Engine {
 
 // The process at the other end of Unix socket `fd` (SO_PEERCRED, SO_PEERPIDFD).
 PeerCred peer_credentials(int fd);
-
-// Engine threads' scheduler slice (Manners::short_slice): asks for 0.1 ms, if the kernel has
-// EEVDF custom slices; nothing otherwise.
-void request_short_slice();
 
 }  // namespace mori::transfer

@@ -19,6 +19,7 @@
 #include "auth.hpp"
 #include "engine.hpp"
 #include "log.hpp"
+#include "sched.hpp"
 #include "wire.hpp"
 
 namespace mori::transfer {
@@ -381,7 +382,7 @@ bool Engine::handshake(int fd, const PeerCred& cred, std::string* key, std::stri
   std::vector<int> fds;
   *slot = -1;
   // Direct path: only for a process the kernel names, that can be told apart from others.
-  if (wants_direct && cred.unix_socket && cred.pid > 0 && cred.pidfd && !refuse_cma && tcp_config().enable_cma) {
+  if (wants_direct && cred.unix_socket && cred.pid > 0 && cred.pidfd && !test.refuse_cma && tcp_config().enable_cma) {
     DirectGrant grant;
     *slot = grant_slot(peer_key, cred, &grant, &slot_fd);
     if (*slot >= 0) {
@@ -551,7 +552,7 @@ void Engine::serve_requests(int fd, const PeerCred& cred, const std::string& pee
       for (const Seg& s : segs) mine.push_back({reinterpret_cast<void*>(region->addr + s.off), s.len});
     }
     if (cma && code == SUCCESS) {
-      if (refuse_cma) {
+      if (test.refuse_cma) {
         code = kCmaUnavailable;
         msg = "test mode: attach refused";
       } else if (!tcp_config().enable_cma) {

@@ -7,8 +7,6 @@ runtimes, transports, NIC providers), :mod:`~mori.core.env` (``MORI_*`` variable
 :mod:`~mori.core.errors`. The native helpers live in the private ``mori.core._core``.
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
 from mori.core.errors import (
     MoriBackendError,
     MoriError,
@@ -18,11 +16,9 @@ from mori.core.errors import (
     MoriTypeError,
     MoriValueError,
 )
+from mori.core.version import installed_version
 
-try:
-    __version__ = version("mori-core")
-except PackageNotFoundError:  # running from a source tree that is not installed
-    __version__ = "0+unknown"
+__version__ = installed_version("mori-core")
 
 __all__ = [
     "MoriBackendError",

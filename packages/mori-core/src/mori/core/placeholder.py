@@ -10,14 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NoReturn
 
-
-def _version(distribution: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(distribution)
-    except PackageNotFoundError:  # a source tree that is not installed
-        return "0+unknown"
+from mori.core.version import installed_version
 
 
 def placeholder_getattr(module: str, distribution: str, component: str) -> Callable[[str], NoReturn]:
@@ -27,7 +20,7 @@ def placeholder_getattr(module: str, distribution: str, component: str) -> Calla
         if name.startswith("_"):  # dunder probes (copy, inspect, pytest) get the ordinary error
             raise AttributeError(f"module {module!r} has no attribute {name!r}", name=name)
         raise AttributeError(
-            f"{module}.{name} is not available: {distribution} {_version(distribution)} is a placeholder; "
+            f"{module}.{name} is not available: {distribution} {installed_version(distribution)} is a placeholder; "
             f"the {component} component is not implemented yet (see the project's issues)",
             name=name,
         )

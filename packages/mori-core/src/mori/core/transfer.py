@@ -31,8 +31,6 @@ from mori.core._core import (
     XgmiQueue,
     XgmiSessionPost,
     XgmiToken,
-    move_off_cpu,
-    parse_message,
     wait_all,
 )
 from mori.core._core import transfer_get_log_level as get_log_level
@@ -50,8 +48,6 @@ __all__ = [
     "XgmiSessionPost",
     "XgmiToken",
     "get_log_level",
-    "move_off_cpu",
-    "parse_message",
     "set_log_level",
     "wait_all",
 ]

@@ -25,6 +25,7 @@ from typing import ClassVar
 import pytest
 
 from mori.core.gpu.vendor import GpuVendor
+from mori.core.version import installed_version
 from mori.testing.plugin_install import install_plugin, run_installed
 
 __all__ = ["GpuPluginTests"]
@@ -68,7 +69,7 @@ class GpuPluginTests:
         assert out.returncode == 0, out.stderr
         runtime = self._line(out.stdout, self.vendor.runtime)
         transport = self._line(out.stdout, self.vendor.transport)
-        release = f"{self.vendor.distribution} 0.1.0"
+        release = f"{self.vendor.distribution} {installed_version(self.vendor.distribution)}"
         assert release in runtime and release in transport
         assert f"{self.module}.plugin" in self._line(out.stdout, self.entry_point, entry=True)
         if self._usable():
@@ -102,7 +103,7 @@ class GpuPluginTests:
             env={"MORI_DEVICE_RUNTIME": self.vendor.runtime, self.vendor.library_env.name: missing},
         )
         assert out.returncode != 0
-        release = f"{self.vendor.distribution} 0.1.0"
+        release = f"{self.vendor.distribution} {installed_version(self.vendor.distribution)}"
         assert f"device runtime '{self.vendor.runtime}' (from {release}) is not usable here" in out.stderr
         assert f"{missing} not found" in out.stderr
 

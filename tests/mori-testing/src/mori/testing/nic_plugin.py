@@ -20,6 +20,7 @@ import pytest
 
 from mori.core.nic import VendorNicProvider, network_settings, scan_rdma_devices
 from mori.core.plugins import Plugins
+from mori.core.version import installed_version
 from mori.testing.fake_sysfs import NICS, eight_gpus_eight_nics, no_nic
 
 __all__ = ["NicPluginCase", "NicPluginTests"]
@@ -104,6 +105,6 @@ class NicPluginTests:
         reset_plugins()
         assert cli.main(["backends"]) == 0
         line = next(s for s in capsys.readouterr().out.splitlines() if s.strip().startswith(f"{self.name} "))
-        assert f"{self.case.distribution} 0.1.0" in line
+        assert f"{self.case.distribution} {installed_version(self.case.distribution)}" in line
         if not Path("/sys/class/infiniband").is_dir():
             assert "unavailable" in line and f"no {self.case.driver} device in /sys/class/infiniband" in line
