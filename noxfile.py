@@ -22,6 +22,8 @@ from pathlib import Path
 
 import nox
 from nox.command import CommandFailed
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 nox.needs_version = ">=2025.2.9"  # dependency_groups, default=, Session.cache_dir
 nox.options.default_venv_backend = "venv"
@@ -42,19 +44,6 @@ TEST_DEPS = nox.project.dependency_groups(PYPROJECT, "test")
 LINT_DEPS = nox.project.dependency_groups(PYPROJECT, "lint")
 DOCS_DEPS = nox.project.dependency_groups(PYPROJECT, "docs")
 KERNEL_DEPS = nox.project.dependency_groups(PYPROJECT, "kernels")  # the pinned Triton
-
-# mypy --strict covers all of mori-core: mori.core, mori.shmem, mori.ir, mori.jit and the top-level
-# modules of the namespace, and mori-viz (config: [tool.mypy] in the root pyproject).
-MYPY_SRC = ROOT / "packages" / "mori-core" / "src"
-MYPY_VIZ_SRC = ROOT / "packages" / "mori-viz" / "src"
-#: mori-cco (a new package, typed from the start) is checked too; its sources join MYPYPATH
-MYPY_CCO_SRC = ROOT / "packages" / "mori-cco" / "src"
-MYPY_TARGETS = [
-    MYPY_SRC / "mori",
-    MYPY_VIZ_SRC / "mori" / "viz",
-    MYPY_CCO_SRC / "mori" / "cco",
-    MYPY_CCO_SRC / "mori" / "ccl",
-]
 
 #: what ``nox -s build`` imports from the full install: the architecture of record (DESIGN.md),
 #: plus every ``mori.<x>`` package found in the built wheels
@@ -114,8 +103,47 @@ CORE = next(d for d in DISTS if d.kind == "core")
 #: what a user installs: everything but the test helpers
 RUNTIME_DISTS = [d for d in DISTS if d.kind != "test-helper"]
 _CORE_META = nox.project.load_toml(CORE.path / "pyproject.toml")["project"]
-CORE_DEPS = [r for r in _CORE_META["dependencies"] if not r.startswith("torch")]  # torch is pinned above
 MPI_DEPS = _CORE_META["optional-dependencies"]["mpi"]
+
+
+def _mypy_roots(dists: Sequence[Dist]) -> tuple[list[Path], list[Path]]:
+    """(MYPYPATH, targets) of mypy --strict: every distribution's ``src/`` and the top-level
+    packages in it (``mori``, a backend's ``mori_backend_*``), so a new distribution is checked by
+    itself. ``mori`` is a namespace spread over the distributions: each ``src/`` is a package base."""
+    paths: list[Path] = []
+    targets: list[Path] = []
+    for dist in dists:
+        src = dist.path / "src"
+        found = sorted(
+            p for p in src.glob("*") if p.is_dir() and p.name.isidentifier() and not p.name.startswith("__")
+        )
+        if not found:
+            raise RuntimeError(f"noxfile: {dist.rel} has no package under src/ for mypy to check")
+        paths.append(src)
+        targets.extend(found)
+    return paths, targets
+
+
+def _third_party(dists: Sequence[Dist]) -> list[str]:
+    """The declared dependencies of ``dists`` that are not local distributions, torch left out (pinned above)."""
+    local = {canonicalize_name(d.name) for d in DISTS} | {"torch"}
+    found: list[str] = []
+    for dist in dists:
+        for req in nox.project.load_toml(dist.path / "pyproject.toml")["project"].get("dependencies", []):
+            if canonicalize_name(Requirement(req).name) not in local and req not in found:
+                found.append(req)
+    return found
+
+
+# mypy --strict covers every distribution (config: [tool.mypy] in the root pyproject): mori-core
+# (mori.core, mori.shmem, mori.ir, mori.jit and the namespace's top-level modules), every other
+# package, the test helpers and the backends' plugins. It runs with their third-party dependencies
+# installed, and pytest, which the test helpers (mori.testing) import: a missing one would be Any.
+MYPY_PATH, MYPY_TARGETS = _mypy_roots(DISTS)
+MYPY_DEPS = [
+    *_third_party(DISTS),
+    *(r for r in TEST_DEPS if canonicalize_name(Requirement(r).name) == "pytest"),
+]
 
 # ---------------------------------------------------------------------------------------------
 # Wheels, built once and reused: a wheel is cached under the nox cache directory by a hash of its
@@ -404,10 +432,12 @@ for _arch in ARCHES:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """Ruff (check + format --check) over the repo, mypy --strict on mori-core's API (ruff check args after --)."""
-    # torch and pluggy give mypy the real types of what the API passes around.
+    """Ruff (check + format --check) over the repo, mypy --strict on every distribution (ruff check args after --)."""
+    # torch, pluggy and the rest give mypy the real types of what the code passes around.
     _install_step(session, f"{TORCH} (the longest step)", "--no-compile", TORCH)
-    _install_step(session, "ruff, mypy and mori-core's dependencies", "--no-compile", *LINT_DEPS, *CORE_DEPS)
+    _install_step(
+        session, "ruff, mypy and the distributions' dependencies", "--no-compile", *LINT_DEPS, *MYPY_DEPS
+    )
     failed: list[str] = []
     for name, cmd in (
         ("ruff check", ["ruff", "check", ".", *session.posargs]),
@@ -424,7 +454,7 @@ def lint(session: nox.Session) -> None:
         session.run(
             "mypy",
             *(p.relative_to(ROOT).as_posix() for p in MYPY_TARGETS),
-            env={"MYPYPATH": os.pathsep.join(map(str, (MYPY_SRC, MYPY_VIZ_SRC, MYPY_CCO_SRC)))},
+            env={"MYPYPATH": os.pathsep.join(map(str, MYPY_PATH))},
         )
     except CommandFailed:
         failed.append("mypy")

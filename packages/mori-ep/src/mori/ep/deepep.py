@@ -320,7 +320,7 @@ def _table_config(func: str, table: dict[int, tuple[int, int, int, int]], num_ra
 # -- handles ---------------------------------------------------------------------------------------
 
 
-class DispatchHandle(tuple):  # type: ignore[type-arg]
+class DispatchHandle(tuple[torch.Tensor, ...]):
     """DeepEP's normal-mode handle: the 6-tuple ``(rank_prefix_matrix, channel_prefix_matrix,
     recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)``, plus MORI's routing.
 
@@ -347,6 +347,15 @@ class DispatchHandle(tuple):  # type: ignore[type-arg]
     Attributes besides the tuple: ``num_recv_tokens``, ``num_recv_rows`` (``num_worst_tokens`` if
     that was given), ``num_tokens`` (tokens this rank dispatched), ``has_topk``.
     """
+
+    num_recv_tokens: int
+    num_recv_rows: int
+    num_tokens: int
+    has_topk: bool
+    _buffer: Buffer
+    _op: EpDispatchCombineOp
+    _routing: EpDispatchRoutingHandle
+    _indices: torch.Tensor
 
     def __new__(
         cls,
@@ -378,7 +387,7 @@ class DispatchHandle(tuple):  # type: ignore[type-arg]
         return f"DispatchHandle(num_tokens={self.num_tokens}, num_recv_tokens={self.num_recv_tokens})"
 
 
-class LowLatencyHandle(tuple):  # type: ignore[type-arg]
+class LowLatencyHandle(tuple[torch.Tensor | int, ...]):
     """DeepEP's low-latency handle: the 5-tuple ``(packed_recv_src_info, packed_recv_layout_range,
     num_max_dispatch_tokens_per_rank, hidden, num_experts)``; pass the object itself to
     ``low_latency_combine`` and ``get_next_low_latency_combine_buffer``.
@@ -392,6 +401,14 @@ class LowLatencyHandle(tuple):  # type: ignore[type-arg]
     With ``return_recv_hook=True`` both are filled when the hook is called (``received`` tells).
     """
 
+    _buffer: Buffer
+    _op: EpDispatchCombineOp
+    _routing: EpDispatchRoutingHandle
+    _indices: torch.Tensor
+    # per (received row, top-k slot) pair, sorted by (local expert, source): operator row,
+    # top-k slot, local expert, packed row (set when the receive completes)
+    _pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+
     def __new__(
         cls,
         items: tuple[torch.Tensor, torch.Tensor, int, int, int],
@@ -403,9 +420,7 @@ class LowLatencyHandle(tuple):  # type: ignore[type-arg]
     ) -> LowLatencyHandle:
         self = super().__new__(cls, items)
         self._buffer, self._op, self._routing, self._indices = buffer, op, routing, indices
-        # per (received row, top-k slot) pair, sorted by (local expert, source): operator row,
-        # top-k slot, local expert, packed row (set when the receive completes)
-        self._pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._pairs = None
         return self
 
     packed_recv_src_info = property(lambda self: self[0], doc="int32 [num_local_experts, num_ranks * max]")

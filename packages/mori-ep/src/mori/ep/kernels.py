@@ -1,3 +1,5 @@
+# Jitted functions carry no Python annotations (Triton reads them), so mypy may not ask for them:
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
 """Triton kernels of the intra-node EP dispatch/combine, on :mod:`mori.shmem.device`.
 
 One source for NVIDIA and AMD GPUs (and the CPU under ``TRITON_INTERPRET=1``, where tests run them

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
@@ -286,6 +286,20 @@ class EpDispatchRoutingHandle:
         return f"EpDispatchRoutingHandle(num_tokens={self.num_tokens}, total_recv={self.num_recv})"
 
 
+#: the arguments of :meth:`KernelPath.combine` but ``phases``: (input, weights, out, out_w, n_tok,
+#: routing, block_num, warp_per_block), kept when the reduce is a second launch (combine_recv)
+_CombineArgs: TypeAlias = tuple[
+    torch.Tensor,
+    torch.Tensor | None,
+    torch.Tensor,
+    torch.Tensor | None,
+    int,
+    EpDispatchRoutingHandle | None,
+    int,
+    int,
+]
+
+
 class EpDispatchCombineOp:
     """MoE expert-parallel dispatch and combine between the ranks of one node (CPU runtime).
 
@@ -363,7 +377,7 @@ class EpDispatchCombineOp:
             self._agree if p == mype else _peer_view(self._agree, mype, p) for p in range(npes)
         ]
         far = [p for p in range(npes) if self._p_agree[p] is None]
-        problem = None
+        problem: Exception | None = None
         if inter and self._agree.device.type != "cpu":
             problem = MoriBackendError(
                 f"{func}: kernel_type {config.kernel_type.name} on the {self._agree.device.type} heap: "
@@ -843,7 +857,9 @@ class EpDispatchCombineOp:
             assert last is not None
             if self._kern is not None:  # snapshot the live tables (device copies, no sync)
                 last = EpDispatchRoutingHandle(
-                    *(t.clone() for t in last.tensors()),
+                    last.dest_slot.clone(),
+                    last.total_recv.clone(),
+                    last.recv_src_pos.clone(),
                     num_tokens=last.num_tokens,
                     recv_slot=None if last.recv_slot is None else last.recv_slot.clone(),
                 )
@@ -1189,7 +1205,16 @@ class EpDispatchCombineOp:
             if weights is not None:
                 out_w = torch.empty(self._m, self._k, dtype=torch.float32, device=out.device)
             kern = self._kern.kernels
-            args = (input, weights, out, out_w, handle.num_tokens, routing, block_num, warp_per_block)
+            args: _CombineArgs = (
+                input,
+                weights,
+                out,
+                out_w,
+                handle.num_tokens,
+                routing,
+                block_num,
+                warp_per_block,
+            )
             # one launch on a GPU; the interpreter (and AsyncLL's split) reduces in a second one
             fused = self._kern.is_gpu and self.config.kernel_type != KT.AsyncLL
             self._kern.combine(*args, phases=kern.STAGE | kern.REDUCE if fused else kern.STAGE)
@@ -1297,8 +1322,9 @@ class EpDispatchCombineOp:
         assert pend is not None
         self._pending_combine = None
         if self._kern is not None:
-            if pend["kernel_args"] is not None:
-                self._kern.combine(*pend["kernel_args"], phases=self._kern.kernels.REDUCE)
+            args: _CombineArgs | None = pend["kernel_args"]
+            if args is not None:
+                self._kern.combine(*args, phases=self._kern.kernels.REDUCE)
             return
         direct = None if self._inter is None else self._inter.local
         self._wait_all(func, self.world_size, pend["epoch"], direct)

@@ -659,7 +659,8 @@ class IOEngine:
         if type(local) is MemoryDesc and type(remote) is MemoryDesc:
             backend = self._routes.get((local.id, remote.engine_key, remote.id))
             if (
-                (type(backend) is _TcpBackend or getattr(backend, "checks_ranges", False) is True)
+                backend is not None
+                and (type(backend) is _TcpBackend or getattr(backend, "checks_ranges", False) is True)
                 and len(loffs) == len(roffs) == len(sizes)
                 and local.engine_key == self.key
                 and local.id in self._local
@@ -784,7 +785,7 @@ class IOEngineSession:
             self._fast = engine._native.session(
                 local.id, remote.engine_key, remote.id, remote.loc == MemoryLocationType.CPU, remote.size
             )
-        elif hasattr(self._route, "session_post"):
+        elif self._route is not None and hasattr(self._route, "session_post"):
             try:
                 self._fast = self._route.session_post(local, remote)
             except MoriBackendError:  # cannot map the remote region now: the checked path fails over

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -46,7 +46,7 @@ from mori.core.backend import (
 from mori.core.errors import MoriBackendError, MoriStateError, MoriValueError
 from mori.core.gpu import dlpack as _dlpack
 from mori.core.gpu import runtime as gpu_runtime_module
-from mori.core.gpu.driver import CtypesDriver
+from mori.core.gpu.driver import CtypesDriver, GpuDriver
 from mori.core.gpu.handles import KIND_HEAP, KIND_RANGE, PciAddress
 from mori.core.gpu.runtime import GpuDevice, GpuRuntime
 from mori.core.gpu.transport import GpuP2PTransport
@@ -173,7 +173,9 @@ class FakeRuntime(GpuRuntime):
     ) -> None:
         # views are CPU tensors: "device memory" is host memory
         vendor = dataclasses.replace(backend.vendor, dlpack_device=_dlpack.KDL_CPU)
-        super().__init__(vendor, load=lambda: backend.driver_class(lib, backend.fake_path))
+        # as GpuRuntime's default loader: a vendor's binding is a CtypesDriver subclass with the
+        # GpuDriver methods the base lacks
+        super().__init__(vendor, load=lambda: cast("GpuDriver", backend.driver_class(lib, backend.fake_path)))
         self.lib = lib
         self.device = device
         self.kernels = kernels
@@ -494,7 +496,8 @@ def test_transport_connects_only_what_load_store_reaches(
     class Other:
         name = "cpu"
 
-    assert t.connect(Other(), me_a, me_c) is None
+    other: Any = Other()  # not a DeviceRuntime: a runtime of another kind, by its name only
+    assert t.connect(other, me_a, me_c) is None
 
 
 def test_a_gpu_not_visible_here_is_left_to_the_driver(
@@ -791,7 +794,8 @@ def test_foreign_or_corrupt_handles_are_refused_clearly(gpu_backend: GpuBackend)
     with pytest.raises(MoriValueError, match="unknown kind 5"):
         cls.unpack(bytes(odd))
     with pytest.raises(MoriValueError, match="expected bytes"):
-        cls.unpack("MNVL")
+        not_bytes: Any = "MNVL"  # what an untyped caller may pass
+        cls.unpack(not_bytes)
     with pytest.raises(MoriValueError, match="63 bytes"):
         _handle(gpu_backend, ipc=b"x" * 63).pack()
 

@@ -414,9 +414,11 @@ def _register_and_export(rank: int, n: int) -> None:
     import torch
 
     import mori.shmem as sh
+    from mori.core.gpu.runtime import GpuRuntime
     from mori.shmem.context import current
 
     runtime = current("test").runtime
+    assert isinstance(runtime, GpuRuntime), f"ranges are exported by a GPU runtime, not {runtime.name}"
     dev = _device()
     right, left = (rank + 1) % n, (rank - 1) % n
     size, off, length = 3 << 20, 1_000_003, 12_345
@@ -702,7 +704,7 @@ def _device_wait_and_barrier(rank: int, n: int) -> None:
         assert int(word) == 10**6 + r * 1000 + left, f"round {r}: {int(word)}"
         K.barrier()
     # shmem_barrier_on_stream: the same device barrier, on the current stream or a given one
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch: Stream.__new__ is unannotated
     for r in range(5):
         right_word.fill_(2 * 10**6 + r * 1000 + rank)
         sh.shmem_barrier_on_stream()

@@ -19,7 +19,7 @@ import os
 import struct
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -152,10 +152,11 @@ def _rank(rank: int, nranks: int, factory: str, rdv: str, env: dict[str, str]) -
 
     # 5. errors a caller can cause, each named, and the endpoint still works after them
     errors = []
-    for what, call in (
+    calls: tuple[tuple[str, Callable[[], Any]], ...] = (
         ("beyond the peer's memory", lambda: ep.put(buf.data_ptr(), mem, base + SIZE - 8, rk, 64)),
         ("below the peer's memory", lambda: ep.get(buf.data_ptr(), mem, base - 4096, rk, 16)),
-    ):
+    )
+    for what, call in calls:
         try:
             call().wait(30_000)
             errors.append(f"{what}: no error")

@@ -118,7 +118,7 @@ class SegmentHandle:
         )
 
     @classmethod
-    def unpack(cls, data: bytes, *, what: str = "segment handle") -> SegmentHandle:
+    def unpack(cls, data: bytes | bytearray | memoryview, *, what: str = "segment handle") -> SegmentHandle:
         """Decode ``data``; raise :class:`~mori.core.errors.MoriValueError` naming ``what`` if it is
         not a handle of this backend and version."""
         if not isinstance(data, (bytes, bytearray, memoryview)):

@@ -55,7 +55,7 @@ class GpuVendor:
     driver_class: type[CtypesDriver]
     #: the variable that names the library, the libraries tried in order without it, and what is
     #: missing when none is found ("no NVIDIA driver on this machine")
-    library_env: EnvVar[str | None]
+    library_env: EnvVar[str]
     libraries: tuple[str, ...]
     missing: str
     #: the library's file name as it appears in /proc/self/maps, when one already loaded in the
