@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import secrets
-import shutil
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from mori.core import netns
 
 pytestmark = pytest.mark.root
 
@@ -157,69 +158,32 @@ def _initiator(host: str) -> None:
     engine.shutdown()
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
-
-
 @pytest.fixture
-def two_namespaces() -> Iterator[tuple[list[str], list[str], list[str]]]:
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root (ip netns add)")
-    if shutil.which("ip") is None:
-        pytest.skip("the ip command (iproute2) is not installed")
+def two_namespaces() -> Iterator[list[netns.Node]]:
     try:
         from mori.core.transport import find_network_transport
 
         find_network_transport("ucx")
     except Exception as e:
         pytest.skip(f"the ucx transport is not usable here: {e}")
-    tag = f"{os.getpid() % 100000}"
-    names = [f"mori-io-{tag}-a", f"mori-io-{tag}-b"]
-    veths = [f"mi{tag}a", f"mi{tag}b"]
-    subnet = f"10.232.{os.getpid() % 250}"
-    ips = [f"{subnet}.1", f"{subnet}.2"]
     try:
-        for ns in names:
-            r = _ip("netns", "add", ns)
-            if r.returncode != 0:
-                pytest.skip(f"cannot create a network namespace here: {r.stderr.strip()}")
-        steps = [
-            ("link", "add", veths[0], "type", "veth", "peer", "name", veths[1]),
-            ("link", "set", veths[0], "netns", names[0]),
-            ("link", "set", veths[1], "netns", names[1]),
-        ]
-        for i in range(2):
-            steps += [
-                ("-n", names[i], "addr", "add", f"{ips[i]}/24", "dev", veths[i]),
-                ("-n", names[i], "link", "set", veths[i], "up"),
-                ("-n", names[i], "link", "set", "lo", "up"),
-            ]
-        for step in steps:
-            r = _ip(*step)
-            if r.returncode != 0:
-                pytest.skip(f"cannot set up the veth pair (ip {' '.join(step)}): {r.stderr.strip()}")
-        yield names, veths, ips
-    finally:
-        for ns in names:  # deleting a namespace deletes its veth end, and so the pair
-            _ip("netns", "del", ns)
-
-
-def _tx_bytes(ns: str, dev: str) -> int:
-    r = _ip("-n", ns, "-s", "-j", "link", "show", dev)
-    return int(json.loads(r.stdout)[0]["stats64"]["tx"]["bytes"])
+        with netns.pair("io", 232) as nodes:
+            yield nodes
+    except netns.NetnsUnavailable as e:
+        pytest.skip(str(e))
 
 
 class _Proc:
-    def __init__(self, ns: str, dev: str, ip: str, role: str, secret: str) -> None:
+    def __init__(self, node: netns.Node, role: str, secret: str) -> None:
         env = {
             **os.environ,
             "MORI_IO_RDMA_TRANSPORT": "ucx",
-            "MORI_UCX_OPTIONS": f"tls=tcp;net_devices={dev}",
+            "MORI_UCX_OPTIONS": f"tls=tcp;net_devices={node.dev}",
             "MORI_IO_AUTH_TOKEN": secret,  # the engines listen beyond loopback
             "MORI_NODE_ID": f"netns-{role}",
             "PYTHONUNBUFFERED": "1",
         }
-        cmd = ["ip", "netns", "exec", ns, sys.executable, str(Path(__file__).resolve()), role, ip]
+        cmd = ["ip", "netns", "exec", node.name, sys.executable, str(Path(__file__).resolve()), role, node.ip]
         self.p = subprocess.Popen(
             cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
@@ -245,13 +209,11 @@ class _Proc:
         self.p.communicate(timeout=10)
 
 
-def test_rdma_backend_across_network_namespaces(
-    two_namespaces: tuple[list[str], list[str], list[str]],
-) -> None:
-    names, veths, ips = two_namespaces
+def test_rdma_backend_across_network_namespaces(two_namespaces: list[netns.Node]) -> None:
+    nodes = two_namespaces
     secret = secrets.token_hex(16)
-    target = _Proc(names[1], veths[1], ips[1], "target", secret)
-    ini = _Proc(names[0], veths[0], ips[0], "initiator", secret)
+    target = _Proc(nodes[1], "target", secret)
+    ini = _Proc(nodes[0], "initiator", secret)
     try:
         hello = target.recv()
         ini.send(hello)
@@ -276,8 +238,8 @@ def test_rdma_backend_across_network_namespaces(
         target.send({"do": "stop"})
         assert target.recv()["ok"]
         # every byte went through the veth pair, not around it (CMA, shared memory, loopback)
-        assert _tx_bytes(names[0], veths[0]) >= moved["write"]
-        assert _tx_bytes(names[1], veths[1]) >= moved["read"]
+        assert netns.tx_bytes(nodes[0]) >= moved["write"]
+        assert netns.tx_bytes(nodes[1]) >= moved["read"]
     finally:
         ini.close()
         target.close()

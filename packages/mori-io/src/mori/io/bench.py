@@ -425,8 +425,6 @@ def _exit_without_teardown(code: int) -> None:
 
 # -- across network namespaces (--netns on) ---------------------------------------------------------------
 
-CLONE_NEWNET, CLONE_NEWNS = 0x40000000, 0x00020000
-MS_REC, MS_SLAVE, MNT_DETACH = 0x4000, 1 << 19, 2
 #: a process started before the initiator leaves its namespaces: deletes them when its stdin closes
 #: (the run ended, or the initiator died)
 _JANITOR = (
@@ -437,90 +435,51 @@ _JANITOR = (
 )
 
 
-def _ip(*args: str) -> None:
-    import subprocess
-
-    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
-    if r.returncode != 0:
-        raise SystemExit(f"mori bench io --netns on: ip {' '.join(args)} failed: {r.stderr.strip()}")
-
-
 def make_namespaces() -> tuple[list[str], Any]:
-    """Two network namespaces joined by a veth pair: ``["ns,dev,ip", "ns,dev,ip"]`` (initiators,
-    target) and the janitor process that deletes them once its stdin closes."""
-    import shutil
+    """Two network namespaces joined by a veth pair (:mod:`mori.core.netns`): their specs
+    ``["ns,dev,ip", "ns,dev,ip"]`` (initiators, target) and the janitor process that deletes them
+    once its stdin closes, even if this process dies."""
     import subprocess
 
-    if os.geteuid() != 0:
-        raise SystemExit("mori bench io --netns on: network namespaces need root (ip netns add)")
-    if shutil.which("ip") is None:
-        raise SystemExit("mori bench io --netns on: the ip command (iproute2) is not installed")
-    tag = f"{os.getpid() % 100000}"
-    names = [f"mori-bench-{tag}-a", f"mori-bench-{tag}-b"]
-    veths = [f"mb{tag}a", f"mb{tag}b"]
-    subnet = f"10.233.{os.getpid() % 250}"
-    janitor = subprocess.Popen([sys.executable, "-c", _JANITOR, *names], stdin=subprocess.PIPE)
+    from mori.core import netns
+
     try:
-        for ns in names:
-            _ip("netns", "add", ns)
-        _ip("link", "add", veths[0], "type", "veth", "peer", "name", veths[1])
-        for i in range(2):
-            _ip("link", "set", veths[i], "netns", names[i])
-            _ip("-n", names[i], "addr", "add", f"{subnet}.{i + 1}/24", "dev", veths[i])
-            _ip("-n", names[i], "link", "set", veths[i], "up")
-            _ip("-n", names[i], "link", "set", "lo", "up")
+        nodes = netns.create_pair("bench", 233)
+    except netns.NetnsUnavailable as e:
+        raise SystemExit(f"mori bench io --netns on: {e}") from None
+    try:
+        janitor = subprocess.Popen(
+            [sys.executable, "-c", _JANITOR, *(n.name for n in nodes)], stdin=subprocess.PIPE
+        )
     except BaseException:
-        assert janitor.stdin is not None
-        janitor.stdin.close()
-        janitor.wait(30)
+        netns.remove(nodes)
         raise
-    return [f"{names[i]},{veths[i]},{subnet}.{i + 1}" for i in range(2)], janitor
+    return [n.spec() for n in nodes], janitor
 
 
 def enter_namespace(spec: str) -> None:
-    """Enter the network namespace of ``spec`` ("ns,dev,ip") as ``ip netns exec`` does (with that
-    namespace's /sys, where UCX finds its devices), and point UCX and the engines at its veth end."""
-    import ctypes
+    """Enter the network namespace of ``spec`` ("ns,dev,ip", :func:`mori.core.netns.enter`) and
+    point UCX and the engines at its veth end."""
+    from mori.core import netns
 
-    ns, dev, ip = spec.split(",")
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into {ns}")
-    finally:
-        os.close(fd)
-    if libc.unshare(CLONE_NEWNS) != 0:
-        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
-    if libc.mount(b"none", b"/", None, MS_REC | MS_SLAVE, None) != 0:
-        raise OSError(ctypes.get_errno(), "mount --make-rslave /")
-    libc.umount2(b"/sys", MNT_DETACH)
-    if libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None) != 0:
-        raise OSError(ctypes.get_errno(), "mount sysfs")
+    node = netns.Node.from_spec(spec)
+    netns.enter(node)
     os.environ.update(
         {
-            "MORI_BENCH_IO_HOST": ip,
-            "MORI_NODE_ID": f"bench-{ns}",
-            "MORI_UCX_OPTIONS": f"tls=tcp;net_devices={dev}",
+            "MORI_BENCH_IO_HOST": node.ip,
+            "MORI_NODE_ID": f"bench-{node.name}",
+            "MORI_UCX_OPTIONS": f"tls=tcp;net_devices={node.dev}",
             "UCX_TLS": "tcp",
-            "UCX_NET_DEVICES": dev,
+            "UCX_NET_DEVICES": node.dev,
         }
     )
 
 
 def veth_bytes(spec: str) -> int:
-    """Bytes sent by this namespace's veth end so far."""
-    import json
-    import subprocess
+    """Bytes sent by this namespace's veth end so far (-1 if unknown)."""
+    from mori.core import netns
 
-    ns, dev, _ = spec.split(",")
-    r = subprocess.run(
-        ["ip", "-n", ns, "-s", "-j", "link", "show", dev], capture_output=True, text=True, check=False
-    )
-    try:
-        return int(json.loads(r.stdout)[0]["stats64"]["tx"]["bytes"])
-    except Exception:
-        return -1
+    return netns.tx_bytes(netns.Node.from_spec(spec))
 
 
 def _target(conn: Any, nbytes: int, cma: bool, use_nixl: bool, env: dict[str, str], buffers: str) -> None:
@@ -901,9 +860,8 @@ def run_cpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
     specs, janitor = make_namespaces()
     try:
         os.environ["MORI_IO_AUTH_TOKEN"] = secrets.token_hex(16)  # the engines listen on the veth
-        enter_namespace(
-            specs[0]
-        )  # this process (and NIXL's initiator, spawned from it); the target: specs[1]
+        # this process (and NIXL's initiator, spawned from it); the target: specs[1]
+        enter_namespace(specs[0])
         args.tcp_cma = "off"  # cross-memory attach would go around the veth
         args.ucx_tls = "tcp"
         return _run_cpu(args, specs)
