@@ -54,7 +54,7 @@ def _call_inputs(rank: int, world: int, n: int = 4) -> tuple[torch.Tensor, torch
 
 def _good_round(op: EpDispatchCombineOp, rank: int, world: int) -> None:
     x, idx = _call_inputs(rank, world)
-    dev = op._recv_tok.device
+    dev = op.buffers.recv_tok.device
     outs = op.dispatch(x.bfloat16().to(dev), None, None, idx.to(dev))
     total = int(outs[4][0])
     assert total == (4 * world if rank < K else 0), total  # (experts on ranks 0 .. K - 1 only)
@@ -85,7 +85,7 @@ def _attacks(rank: int, world: int, impl: str, base: dict[str, Any] | None = Non
 
     # per call: the same config, fp32 input on rank 0 and bf16 elsewhere (today: 4.0078 for 4.0)
     op = EpDispatchCombineOp(_config(rank, world, **base), impl=impl)
-    dev = op._recv_tok.device
+    dev = op.buffers.recv_tok.device
     x, idx = _call_inputs(rank, world)
     x, idx = x.to(dev), idx.to(dev)
     with pytest.raises(MoriValueError) as info:

@@ -101,7 +101,7 @@ def _inputs(seed: int, src: int, world: int, pattern: str, dtype: torch.dtype, k
 
 def _dev(op: EpDispatchCombineOp, d: dict[str, Any]) -> dict[str, Any]:
     """One rank's inputs on the operator's device (references stay on the CPU)."""
-    return {k: v.to(op._recv_tok.device) if isinstance(v, torch.Tensor) else v for k, v in d.items()}
+    return {k: v.to(op.buffers.recv_tok.device) if isinstance(v, torch.Tensor) else v for k, v in d.items()}
 
 
 def _cpu(ts: Any) -> list[Any]:
@@ -300,13 +300,13 @@ def _quant(rank: int, world: int, impl: str = "host", fam: dict[str, Any] | None
     # MORI_FP8_COMBINE_SCALE_DIM=4 (set by the test): blocks of H / 4 = 32 elements
     # fp8_direct_cast: the staging buffer holds fp8 (one byte per element)
     dc = _op(impl, rank, world, fam, quant_type="fp8_direct_cast")
-    assert dc._stage_tok.shape[-1] == H and dc._stage_sc is None
+    assert dc.buffers.stage_tok.shape[-1] == H and dc.buffers.stage_sc is None
     for it in range(3):
         _quant_round(dc, 80 + it, 1e-1)
     # fp8_blockwise: fp8 rows plus 4 fp32 scales per row; rows far above 448 survive
     bw = _op(impl, rank, world, fam, quant_type="fp8_blockwise")
-    assert bw._stage_tok.shape[-1] == H
-    assert bw._stage_sc is not None and bw._stage_sc.shape[-1] == 4
+    assert bw.buffers.stage_tok.shape[-1] == H
+    assert bw.buffers.stage_sc is not None and bw.buffers.stage_sc.shape[-1] == 4
     for it in range(3):
         _quant_round(bw, 85 + it, 7e-2, big=it > 0)
     for kt in fam["quant_also"]:
@@ -316,7 +316,7 @@ def _quant(rank: int, world: int, impl: str = "host", fam: dict[str, Any] | None
 
     # error paths: raised before anything is sent, so every rank raises and the ops stay usable
     me = _dev(dc, _inputs(95, rank, world, "random", torch.bfloat16, K))
-    dev = dc._recv_tok.device
+    dev = dc.buffers.recv_tok.device
     for op in (dc, bw):
         outs = op.dispatch(me["x"], me["w"], None, me["idx"])
         total = int(outs[4][0])
@@ -344,7 +344,7 @@ def _quant(rank: int, world: int, impl: str = "host", fam: dict[str, Any] | None
         with pytest.raises(MoriValueError, match=r"MORI_FP8_COMBINE_SCALE_DIM=56 .*hidden_dim = 128"):
             _op(impl, rank, world, fam, quant_type="fp8_blockwise")
         op = _op(impl, rank, world, fam, quant_type="fp8_blockwise", hidden_dim=112)
-        assert op._stage_sc is not None and op._stage_sc.shape[-1] == 56
+        assert op.buffers.stage_sc is not None and op.buffers.stage_sc.shape[-1] == 56
         x = torch.full((2, 112), 1000.0, device=dev).bfloat16()
         idx = torch.full((2, K), rank * E_LOCAL, dtype=torch.int32, device=dev)
         outs = op.dispatch(x, None, None, idx)

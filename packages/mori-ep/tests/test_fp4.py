@@ -123,7 +123,11 @@ def _round_trip(rank: int, world: int, impl: str) -> str:
 
     # fp4_blockwise combine of bf16 identity experts
     q = _op(rank, world, impl, quant_type="fp4_blockwise")
-    assert q._stage_tok.shape[-1] == H // 2 and q._stage_sc is not None and q._stage_sc.shape[-1] == H // 32
+    assert (
+        q.buffers.stage_tok.shape[-1] == H // 2
+        and q.buffers.stage_sc is not None
+        and q.buffers.stage_sc.shape[-1] == H // 32
+    )
     for seed in (2, 3):
         all_in = [_inputs(seed, s, world) for s in range(world)]
         me = all_in[rank]

@@ -1070,20 +1070,20 @@ class Buffer:
             num_recv_rows=rows,
             has_topk=topk_idx is not None,
         )
-        recv_x = self._recv_rows(op._recv_tok, data.dtype, data.shape[1], total, rows)
+        recv_x = self._recv_rows(op.buffers.recv_tok, data.dtype, data.shape[1], total, rows)
         recv_scales = None
         if scales is not None:
-            recv_scales = self._recv_rows(op._recv_scales, scales.dtype, scales.shape[1], total, rows)
+            recv_scales = self._recv_rows(op.buffers.recv_scales, scales.dtype, scales.shape[1], total, rows)
         recv_idx: torch.Tensor | None = None
         recv_w: torch.Tensor | None = None
         if topk_idx is not None:
-            glob = op._recv_idx[:total]
+            glob = op.buffers.recv_idx[:total]
             local = glob.to(torch.int64) - self.rank * e_local
             mine = (glob >= 0) & (local >= 0) & (local < e_local)
             recv_idx = torch.full((rows, k), -1, dtype=topk_idx.dtype, device=self.device)
             recv_idx[:total] = torch.where(mine, local, -1).to(topk_idx.dtype)
             recv_w = torch.zeros(rows, k, dtype=torch.float32, device=self.device)
-            recv_w[:total] = torch.where(mine, op._recv_w[:total], 0.0)
+            recv_w[:total] = torch.where(mine, op.buffers.recv_w[:total], 0.0)
         base = 1 + w + self.rank * e_local
         per_local = table[:, base : base + e_local].sum(0)
         aligned = (per_local + expert_alignment - 1) // expert_alignment * expert_alignment
@@ -1113,7 +1113,7 @@ class Buffer:
         dest = torch.full((w, m), -1, dtype=torch.int32, device=self.device)
         dest[:, :n] = torch.where(in_rank, within + offs[None, :], -1).t()
         total_t = torch.tensor([total], dtype=torch.int32, device=self.device)
-        return EpDispatchRoutingHandle(dest, total_t, op._recv_src[:total], n)
+        return EpDispatchRoutingHandle(dest, total_t, op.buffers.recv_src[:total], n)
 
     def _snapshot(self, op: EpDispatchCombineOp, routing: EpDispatchRoutingHandle) -> None:
         """Keep what combine needs of this dispatch after the operator's tables are overwritten:
@@ -1205,17 +1205,20 @@ class Buffer:
         if rows < total:
             raise bad_value(func, "num_worst_tokens", num_worst_tokens, f"0 or at least {total}")
         op.dispatch(data, weights, scales, handle._indices, block_num=blocks, routing=handle._routing)
-        out_x: Any = self._recv_rows(op._recv_tok, data.dtype, data.shape[1], total, rows)
+        out_x: Any = self._recv_rows(op.buffers.recv_tok, data.dtype, data.shape[1], total, rows)
         if scales is not None:
-            out_x = (out_x, self._recv_rows(op._recv_scales, scales.dtype, scales.shape[1], total, rows))
+            out_x = (
+                out_x,
+                self._recv_rows(op.buffers.recv_scales, scales.dtype, scales.shape[1], total, rows),
+            )
         recv_w = None
         if weights is not None:
             e_local = op.config.num_experts_per_rank
-            glob = op._recv_idx[:total]
+            glob = op.buffers.recv_idx[:total]
             local = glob.to(torch.int64) - self.rank * e_local
             mine = (glob >= 0) & (local >= 0) & (local < e_local)
             recv_w = torch.zeros(rows, weights.shape[1], dtype=torch.float32, device=self.device)
-            recv_w[:total] = torch.where(mine, op._recv_w[:total], 0.0)
+            recv_w[:total] = torch.where(mine, op.buffers.recv_w[:total], 0.0)
         return out_x, None, recv_w, None, None, self._event_out(async_finish)
 
     def combine(

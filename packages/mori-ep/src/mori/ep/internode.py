@@ -156,20 +156,25 @@ class InterNodeHost:
             self.in_src = [p for p in range(w) if p // g != self.node]
             self.fan = [me]
             self.n_slots = w
-        m, k = op._m, op._k
-        self.row_bytes = op._row_bytes
+        m, k = op.buffers.m, op.buffers.k
+        self.row_bytes = op.buffers.row_bytes
         # the widest wire row of either phase
-        disp = _pad8(op._row_bytes) + 2 * _pad8(4 * k) + _pad8(op._scale_bytes) + 8
-        comb = _pad8(op._row_bytes) + _pad8(4 * k) + _pad8(4 * op._quant_scale_dim)
+        disp = _pad8(op.buffers.row_bytes) + 2 * _pad8(4 * k) + _pad8(op.buffers.scale_bytes) + 8
+        comb = _pad8(op.buffers.row_bytes) + _pad8(4 * k) + _pad8(4 * op.buffers.quant_scale_dim)
         self.wire_max = max(disp, comb)
-        create = shmem.mori_shmem_create_tensor
+        bufs = op.buffers
+
+        def create(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            # collective, in this order on every rank; held (zeroed, freed) with the op's buffers
+            return bufs.add(shmem.mori_shmem_create_tensor(shape, dtype))
+
         nfan = len(self.fan)
         #: inbound streams by sender slot: dispatch rows at a relay, combine rows at a source
         self.xin = create((self.n_slots, m * self.wire_max), torch.uint8)
         #: outbound staging (registered heap memory, the source of the puts), one per stream
         self.xout = create((max(1, len(self.out_streams)), m * self.wire_max), torch.uint8)
         #: combine contributions of the node's ranks at a relay: [slot, token, fan index]
-        self.cst = create((self.n_slots, m, nfan, _pad8(op._row_bytes)), torch.uint8)
+        self.cst = create((self.n_slots, m, nfan, _pad8(op.buffers.row_bytes)), torch.uint8)
         self.cst_w = create((self.n_slots, m, nfan, k), torch.float32)
         #: stream signal words by sender slot: dispatch [0, n_slots), combine [n_slots, 2 n_slots)
         self.sig = create((2 * self.n_slots,), torch.int64)
@@ -186,9 +191,6 @@ class InterNodeHost:
         }
         self.num_qp_per_pe = cfg.num_qp_per_pe
         self.env_num_qp_per_pe = MORI_NUM_QP_PER_PE.get()
-
-    def buffers(self) -> list[torch.Tensor]:
-        return [self.xin, self.xout, self.cst, self.cst_w, self.sig]
 
     # -- addressing ------------------------------------------------------------------------------
 
@@ -255,10 +257,10 @@ class InterNodeHost:
                 f"(node {src // self.g}); it did not arrive ({e})",
                 [src],
             ) from None
-        if got >> 32 != epoch or (got & 0xFFFFFFFF) > self.op._m:
+        if got >> 32 != epoch or (got & 0xFFFFFFFF) > self.op.buffers.m:
             raise MoriValueError(
                 f"{func}: rank {src} sent a stream header {got:#x} for call {epoch}; expected call "
-                f"{epoch} with at most {self.op._m} rows"
+                f"{epoch} with at most {self.op.buffers.m} rows"
             )
         return got & 0xFFFFFFFF
 
@@ -266,7 +268,7 @@ class InterNodeHost:
 
     def _dispatch_layout(self, nb: int, has_w: bool, sb: int) -> tuple[int, int, int, int, int]:
         """Byte offsets of a dispatch wire row: (weights, scales, ids, source token, row stride)."""
-        k = self.op._k
+        k = self.op.buffers.k
         off_w = _pad8(nb)
         off_s = off_w + (_pad8(4 * k) if has_w else 0)
         off_i = off_s + _pad8(sb)
@@ -294,7 +296,7 @@ class InterNodeHost:
 
         op = self.op
         n, h = input.shape
-        m, k, me = op._m, op._k, op.rank
+        m, k, me = op.buffers.m, op.buffers.k, op.rank
         nb = h * input.element_size()
         sb = 0 if scales is None else scales.shape[1] * scales.element_size()
         off_w, off_s, off_i, off_t, stride = self._dispatch_layout(nb, weights is not None, sb)
@@ -333,7 +335,7 @@ class InterNodeHost:
         if routing is not None:
             assert routing.relay is not None
             want_cnt, want_tok, want_slot = routing.relay
-        e_total = op._e_local * op.world_size
+        e_total = op.buffers.e_local * op.world_size
         # a bad stream is skipped and reported after this rank signalled "done" (by the operator),
         # so its node does not wait for it
         errors: list[Exception] = []
@@ -368,7 +370,7 @@ class InterNodeHost:
             if c == 0:
                 continue
             ids = rows[:, off_i : off_i + 4 * k].view(torch.int32)
-            owner = torch.where((ids >= 0) & (ids < e_total), ids // op._e_local, -1)
+            owner = torch.where((ids >= 0) & (ids < e_total), ids // op.buffers.e_local, -1)
             src_pos = tok + src_rank * op.world_size * m
             for fi, q in enumerate(self.fan):
                 if routing is None:
@@ -377,7 +379,7 @@ class InterNodeHost:
                     if cq == 0:
                         continue
                     off = shmem.shmem_atomic_fetch_add(op._ctrl_addr(counter), cq, q)
-                    if off + cq > op._r:
+                    if off + cq > op.buffers.r:
                         overflow.append(q)
                         continue
                     relay_slot[slot, js, fi] = torch.arange(off, off + cq, dtype=torch.int32)
@@ -387,7 +389,7 @@ class InterNodeHost:
                     if js.numel() == 0:
                         continue
                     slots = want_slot[slot, js, fi].long()
-                    if int(slots.max()) >= op._r:
+                    if int(slots.max()) >= op.buffers.r:
                         raise MoriStateError(
                             f"{func}: the routing handle names rows beyond the receive buffers"
                         )
@@ -410,7 +412,7 @@ class InterNodeHost:
     def _combine_layout(self, nbw: int, has_w: bool, nblk: int) -> tuple[int, int, int]:
         """Byte offsets of a combine wire row: (weights, block scales, row stride)."""
         off_w = _pad8(nbw)
-        off_s = off_w + (_pad8(4 * self.op._k) if has_w else 0)
+        off_s = off_w + (_pad8(4 * self.op.buffers.k) if has_w else 0)
         return off_w, off_s, off_s + _pad8(4 * nblk)
 
     def contribute(
@@ -431,7 +433,7 @@ class InterNodeHost:
         fi = self.fan_index(op.rank)
         relays = torch.tensor([self.relay_for(int(s)) for s in range(self.op.world_size)])[src_rank]
         slots = torch.tensor([self.slot_of(int(s)) for s in range(self.op.world_size)])[src_rank]
-        m = self.op._m
+        m = self.op.buffers.m
         for v in self.fan:
             sel = (relays == v).nonzero().flatten()
             if sel.numel() == 0:
@@ -476,11 +478,11 @@ class InterNodeHost:
         nb = h * input.element_size()
         quant = op.config.quant_type
         nbw = {"none": nb, "fp4_blockwise": h // 2}.get(quant, h)
-        nblk = h // op._quant_block if op._quant_block else 0
+        nblk = h // op.buffers.quant_block if op.buffers.quant_block else 0
         off_w, off_s, stride = self._combine_layout(
             nbw, weights is not None, nblk if quant.endswith("blockwise") else 0
         )
-        k = op._k
+        k = op.buffers.k
         for si, src_rank in enumerate(self.in_src):
             slot = self.slot_of(src_rank)
             c = int(cnt[slot])
@@ -544,7 +546,7 @@ class InterNodeHost:
         nbw = {"none": h * torch.empty(0, dtype=out_dtype).element_size(), "fp4_blockwise": h // 2}.get(
             quant, h
         )
-        nblk = h // op._quant_block if op._quant_block else 0
+        nblk = h // op.buffers.quant_block if op.buffers.quant_block else 0
         blk = nblk if quant.endswith("blockwise") else 0
         off_w, off_s, stride = self._combine_layout(nbw, acc_w is not None, blk)
         n = handle.num_tokens
@@ -563,18 +565,20 @@ class InterNodeHost:
                 if int(toks[-1]) == c - 1:  # the first c tokens, all of them: add in place
                     acc[:c].add_(rows[:, :nbw].view(out_dtype))
                     if acc_w is not None:
-                        acc_w[:c].add_(rows[:, off_w : off_w + 4 * op._k].view(torch.float32))
+                        acc_w[:c].add_(rows[:, off_w : off_w + 4 * op.buffers.k].view(torch.float32))
                     continue
                 vals = op._scratch("stream_rows", c * h, torch.float32).view(c, h)
                 vals.copy_(rows[:, :nbw].view(out_dtype))
             elif quant == "fp4_blockwise":
                 sc = rows[:, off_s : off_s + 4 * nblk].contiguous().view(torch.float32)
-                vals = fp4.dequantise(rows[:, :nbw].contiguous(), sc, op._quant_block)
+                vals = fp4.dequantise(rows[:, :nbw].contiguous(), sc, op.buffers.quant_block)
             else:
                 vals = rows[:, :nbw].contiguous().view(torch.float8_e4m3fn).float()
                 if quant == "fp8_blockwise":
                     sc = rows[:, off_s : off_s + 4 * nblk].contiguous().view(torch.float32)
-                    vals = (vals.view(c, nblk, op._quant_block) * sc[:, :, None]).view(c, h)
+                    vals = (vals.view(c, nblk, op.buffers.quant_block) * sc[:, :, None]).view(c, h)
             acc.index_add_(0, toks, vals)
             if acc_w is not None:
-                acc_w.index_add_(0, toks, rows[:, off_w : off_w + 4 * op._k].contiguous().view(torch.float32))
+                acc_w.index_add_(
+                    0, toks, rows[:, off_w : off_w + 4 * op.buffers.k].contiguous().view(torch.float32)
+                )

@@ -1,8 +1,9 @@
 """Host side of the Triton EP kernels: views, launch geometry, launches. No host synchronisation.
 
 :class:`KernelPath` belongs to one :class:`~mori.ep.EpDispatchCombineOp` and uses its symmetric
-buffers (the layout of the host path), plus its own control words and the ``dest_slot`` table on
-the device. Every call only launches kernels on the current stream: nothing here reads a device
+buffers (``op.buffers``, a :class:`~mori.ep.buffers.EpBuffers`: the layout of the host path), plus
+its own control words and tables (added to ``op.buffers``) and the ``dest_slot`` table on the
+device. It uses the operator's public attributes only. Every call only launches kernels on the current stream: nothing here reads a device
 value on the host, so dispatch and combine can be captured in a CUDA graph and replayed.
 """
 
@@ -72,39 +73,41 @@ class KernelPath:
 
         self.kernels = kernels
         self.op = op
-        dev = op._recv_tok.device
+        dev = op.buffers.device
         if dev.type == "cpu" and type(kernels.dispatch_kernel).__name__ != "InterpretedFunction":
             raise MoriStateError(
                 "EpDispatchCombineOp: the cpu runtime runs the Triton kernels only in the interpreter; "
                 "set TRITON_INTERPRET=1 before triton is first imported, or use impl='host'"
             )
-        w, m = op.world_size, op._m
+        w, m = op.world_size, op.buffers.m
         self.device = dev
         self.ctx = shmem_device_context()
         self.ctrl = shmem.mori_shmem_create_tensor((kernels.ctrl_words(w),), torch.int64)
         self.ctrl.zero_()
-        op._symm.append(self.ctrl)
+        op.buffers.add(self.ctrl)
         #: dispatch launches so far: the epoch of the last one (ERR_D holds a disagreeing call's)
         self.dispatch_calls = 0
         #: registered combine weights: peers read each row's weights here
-        self.comb_w = shmem.mori_shmem_create_tensor((op._r, op._k), torch.float32)
+        self.comb_w = shmem.mori_shmem_create_tensor((op.buffers.r, op.buffers.k), torch.float32)
         self.comb_w.zero_()
-        op._symm.append(self.comb_w)
+        op.buffers.add(self.comb_w)
         #: fp8_blockwise combine: the fp32 block scales of the quantised rows, read by peers
         self.quant = {"none": 0, "fp8_direct_cast": 1, "fp8_blockwise": 2, "fp4_blockwise": 3}[
             op.config.quant_type
         ]
         self.comb_scales = self.comb_w
         if self.quant in (2, 3):
-            self.comb_scales = shmem.mori_shmem_create_tensor((op._r, op._quant_scale_dim), torch.float32)
+            self.comb_scales = shmem.mori_shmem_create_tensor(
+                (op.buffers.r, op.buffers.quant_scale_dim), torch.float32
+            )
             self.comb_scales.zero_()
-            op._symm.append(self.comb_scales)
+            op.buffers.add(self.comb_scales)
         self.dest_slot = torch.full((w, m), -1, dtype=torch.int32, device=dev)
         #: the dispatch's table seen from the receiver (written by the peers' dispatch kernels):
         #: recv_slot[s, t] = the received row holding rank s's token t, -1 if none
         self.recv_slot = shmem.mori_shmem_create_tensor((w, m), torch.int32)
         self.recv_slot.fill_(-1)
-        op._symm.append(self.recv_slot)
+        op.buffers.add(self.recv_slot)
         self.total_recv = torch.zeros(1, dtype=torch.int32, device=dev)
         self.is_gpu = dev.type != "cpu"
         #: programs that are surely resident at once (one per SM); the interpreter runs one at a time
@@ -115,7 +118,7 @@ class KernelPath:
         #: chunks of one token)
         self.push_flags = shmem.mori_shmem_create_tensor((w, m), torch.int64)
         self.push_flags.zero_()
-        op._symm.append(self.push_flags)
+        op.buffers.add(self.push_flags)
         # Triton's num_warps is a power of two; AMD wavefronts are 64 wide, so at most 16 there
         self.max_warps = 16 if torch.version.hip else 32
         #: (arch, model) naming the AUTO tables, e.g. ("sm90", "H200"); None on the CPU
@@ -175,23 +178,23 @@ class KernelPath:
     ) -> None:
         """Launch :func:`~mori.ep.kernels.dispatch_kernel`; ``recv``: its last program also waits
         for every peer and publishes ``total_recv`` (else :meth:`dispatch_recv` does)."""
-        op, k = self.op, self.op._k
+        op, k = self.op, self.op.buffers.k
         self.dispatch_calls += 1
         n, h = input.shape
         nb = h * input.element_size()
-        row_bytes = op._row_bytes
+        row_bytes = op.buffers.row_bytes
         word = _word_size(nb, input.stride(0) * input.element_size(), input.data_ptr(), row_bytes)
         inp_w = _as_words(input, word)
-        recv_w = _as_words(op._recv_tok, word)
+        recv_w = _as_words(op.buffers.recv_tok, word)
         grid, warps, tile_elems = self._geometry("dispatch", block_num, warp_per_block, input.dtype, n, False)
         tile = TileConfig.for_row(nb // word, tile_elems, n, grid)
         indices = indices.contiguous()
-        wts = weights.contiguous() if weights is not None else op._recv_w  # unused when HAS_W=0
+        wts = weights.contiguous() if weights is not None else op.buffers.recv_w  # unused when HAS_W=0
         if scales is not None:
             sc = scales.contiguous().view(torch.uint8)
             sb, sc_stride = sc.shape[1], sc.stride(0)
         else:
-            sc, sb, sc_stride = op._recv_scales, 0, 0
+            sc, sb, sc_stride = op.buffers.recv_scales, 0, 0
         dest_slot = routing.dest_slot if routing is not None else self.dest_slot
         self.kernels.dispatch_kernel[(grid,)](
             inp_w,
@@ -202,10 +205,10 @@ class KernelPath:
             indices,
             n,
             recv_w,
-            op._recv_w,
-            op._recv_scales,
-            op._recv_idx,
-            op._recv_src,
+            op.buffers.recv_w,
+            op.buffers.recv_scales,
+            op.buffers.recv_idx,
+            op.buffers.recv_src,
             dest_slot,
             self.recv_slot,
             self.total_recv,
@@ -216,10 +219,10 @@ class KernelPath:
             nb // word,
             row_bytes // word,
             sb,
-            op._scale_bytes,
-            op._m,
-            op._r,
-            op._e_local,
+            op.buffers.scale_bytes,
+            op.buffers.m,
+            op.buffers.r,
+            op.buffers.e_local,
             W=op.world_size,
             K=k,
             K_P2=_pow2_at_least(k),
@@ -268,10 +271,10 @@ class KernelPath:
     def _local_expert_count(self) -> None:
         # received (token, k) pairs per local expert, from the valid rows only; device ops, no sync
         op = self.op
-        e = op._e_local
-        valid = torch.arange(op._r, device=self.device)[:, None] < self.total_recv.to(torch.int64)
-        local = op._recv_idx.to(torch.int64) - op.rank * e
-        mine = valid & (op._recv_idx >= 0) & (local >= 0) & (local < e)
+        e = op.buffers.e_local
+        valid = torch.arange(op.buffers.r, device=self.device)[:, None] < self.total_recv.to(torch.int64)
+        local = op.buffers.recv_idx.to(torch.int64) - op.rank * e
+        mine = valid & (op.buffers.recv_idx >= 0) & (local >= 0) & (local < e)
         counts = torch.zeros(e, dtype=torch.int32, device=self.device)
         counts.scatter_add_(0, torch.where(mine, local, 0).flatten(), mine.to(torch.int32).flatten())
         op.local_expert_count.copy_(counts)
@@ -299,7 +302,7 @@ class KernelPath:
         ``recv_slot`` table, copied (quantised) into the registered buffer first and gathered
         from there.
         """
-        zero_copy = input.data_ptr() == self.op._comb_inp.data_ptr()
+        zero_copy = input.data_ptr() == self.op.buffers.comb_inp.data_ptr()
         recv_slot = self.recv_slot if routing is None else routing.recv_slot
         if not zero_copy and self.quant == 0 and recv_slot is not None:
             chunk = self._push_chunk(block_num, warp_per_block, input.dtype)
@@ -354,13 +357,13 @@ class KernelPath:
         warp_per_block: int,
         phases: int,
     ) -> None:
-        op, k, kern = self.op, self.op._k, self.kernels
-        w, m = op.world_size, op._m
+        op, k, kern = self.op, self.op.buffers.k, self.kernels
+        w, m = op.world_size, op.buffers.m
         rows, h = input.shape
         nb = h * input.element_size()
-        word = _word_size(nb, input.stride(0) * input.element_size(), input.data_ptr(), op._row_bytes)
+        word = _word_size(nb, input.stride(0) * input.element_size(), input.data_ptr(), op.buffers.row_bytes)
         inp_w = _as_words(input, word)
-        stage = op._stage_tok.view(w * m, op._row_bytes)
+        stage = op.buffers.stage_tok.view(w * m, op.buffers.row_bytes)
         stage_w = _as_words(stage, word)
         stage_typed = stage.view(input.dtype)
         grid, warps, tile_elems = self._combine_geometry(
@@ -384,7 +387,7 @@ class KernelPath:
             stage_w.stride(0),
             stage_typed,
             stage_typed.stride(0),
-            op._stage_w,
+            op.buffers.stage_w,
             self.push_flags,
             -(-m // ct),
             out,
@@ -421,7 +424,7 @@ class KernelPath:
         chunk = tuning.MORI_EP_PUSH_CHUNK.get()
         if chunk:
             return chunk
-        m = self.op._m
+        m = self.op.buffers.m
         planned, _w, _t = self._geometry("combine", block_num, warp_per_block, dtype, m, False)
         chunk = min(16, _pow2_at_most(max(1, m // (6 * min(planned, self.resident_programs)))))
         return chunk if chunk >= 2 else None
@@ -439,20 +442,20 @@ class KernelPath:
         warp_per_block: int,
         phases: int,
     ) -> None:
-        op, k, kern = self.op, self.op._k, self.kernels
+        op, k, kern = self.op, self.op.buffers.k, self.kernels
         rows, h = input.shape
         nb = h * input.element_size()
-        row_bytes = op._row_bytes
+        row_bytes = op.buffers.row_bytes
         word = _word_size(nb, input.stride(0) * input.element_size(), input.data_ptr(), row_bytes)
         inp_w = _as_words(input, word)
-        cinp_w = _as_words(op._comb_inp, word)
-        cinp_typed = op._comb_inp.view(input.dtype)
+        cinp_w = _as_words(op.buffers.comb_inp, word)
+        cinp_typed = op.buffers.comb_inp.view(input.dtype)
         grid, warps, tile_elems = self._combine_geometry(
             phases, block_num, warp_per_block, input.dtype, n_tok, zero_copy
         )
         tile = TileConfig.for_row(h, tile_elems, n_tok, grid)
         # the dispatch to combine: a routing handle's tables, or the live ones of the last dispatch
-        recv_src = routing.recv_src_pos if routing is not None else op._recv_src
+        recv_src = routing.recv_src_pos if routing is not None else op.buffers.recv_src
         total = routing.total_recv if routing is not None else self.total_recv
         dest_slot = routing.dest_slot if routing is not None else self.dest_slot
         wts = weights.contiguous() if weights is not None else self.comb_w  # unused when HAS_W=0
@@ -470,8 +473,8 @@ class KernelPath:
             cinp_typed,
             cinp_typed.stride(0),
             self.comb_w,
-            op._comb_inp if self.quant == 3 else op._comb_inp.view(torch.float8_e4m3fn),
-            op._comb_inp.stride(0),
+            op.buffers.comb_inp if self.quant == 3 else op.buffers.comb_inp.view(torch.float8_e4m3fn),
+            op.buffers.comb_inp.stride(0),
             self.comb_scales,
             self.comb_scales.shape[1],
             dest_slot,
@@ -482,7 +485,7 @@ class KernelPath:
             n_tok,
             h,
             nb // word,
-            op._m,
+            op.buffers.m,
             W=op.world_size,
             K=k,
             K_P2=_pow2_at_least(k),
@@ -491,7 +494,7 @@ class KernelPath:
             DO_STAGE=bool(phases & kern.STAGE),
             DO_REDUCE=bool(phases & kern.REDUCE),
             QUANT=self.quant,
-            QB=op._quant_block if self.quant in (2, 3) else 1,
+            QB=op.buffers.quant_block if self.quant in (2, 3) else 1,
             BT=tile.rows,
             BLOCK=tile.block,
             num_warps=warps,

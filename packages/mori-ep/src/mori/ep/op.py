@@ -56,6 +56,7 @@ from mori.core.errors import (
     format_ranks,
 )
 from mori.ep import agreement, fp4, internode, tuning
+from mori.ep.buffers import EpBuffers
 from mori.ep.config import QUANT_TYPES, EpDispatchCombineConfig, EpDispatchCombineKernelType
 from mori.ep.kernel_path import KernelPath, kernels_requested
 
@@ -304,8 +305,9 @@ class EpDispatchCombineOp:
     """MoE expert-parallel dispatch and combine between the ranks of one node (CPU runtime).
 
     The constructor is **collective** (every rank of ``mori.shmem`` must build one with the same
-    config, in the same order): it allocates the symmetric buffers, zeroes them and ends with a
-    barrier, so no peer writes before every rank is ready. ``mori.shmem`` must be initialised with
+    config, in the same order): it allocates the symmetric buffers (:attr:`buffers`, a
+    :class:`~mori.ep.buffers.EpBuffers`), zeroes them and ends with a barrier, so no peer writes
+    before every rank is ready. ``mori.shmem`` must be initialised with
     ``shmem_npes() == config.world_size`` and ``shmem_mype() == config.rank``.
 
     ``dispatch`` and ``combine`` are collective and host-blocking (they return when this rank's
@@ -395,12 +397,12 @@ class EpDispatchCombineOp:
             shmem.mori_shmem_free_tensor(self._agree)  # (collective: every rank of a split job raises)
             raise problem
         self._agree_on_config(func, config, impl)
-        #: fp8_blockwise: scales per row (MORI_FP8_COMBINE_SCALE_DIM) and elements per block
-        self._quant_scale_dim = 0
-        self._quant_block = 0
+        # blockwise combine quantisation: scales per row (fp8: MORI_FP8_COMBINE_SCALE_DIM) and
+        # elements per block
+        quant_scale_dim = quant_block = 0
         if config.quant_type == "fp8_blockwise":
-            self._quant_scale_dim = _fp8_combine_scale_dim(func, config.hidden_dim)
-            self._quant_block = config.hidden_dim // self._quant_scale_dim
+            quant_scale_dim = _fp8_combine_scale_dim(func, config.hidden_dim)
+            quant_block = config.hidden_dim // quant_scale_dim
         elif config.quant_type == "fp4_blockwise":
             if config.hidden_dim % fp4.FP4_BLOCK:
                 raise bad_value(
@@ -410,73 +412,35 @@ class EpDispatchCombineOp:
                     f"a multiple of {fp4.FP4_BLOCK} with quant_type='fp4_blockwise' (blocks of "
                     f"{fp4.FP4_BLOCK} values, one fp32 scale each)",
                 )
-            self._quant_block = fp4.FP4_BLOCK
-            self._quant_scale_dim = config.hidden_dim // fp4.FP4_BLOCK
+            quant_block = fp4.FP4_BLOCK
+            quant_scale_dim = config.hidden_dim // fp4.FP4_BLOCK
         if config.max_token_type_size not in (1, 2, 4):
             raise bad_value(func, "config.max_token_type_size", config.max_token_type_size, "1, 2 or 4")
 
         self.config = config
         self.rank, self.world_size = config.rank, config.world_size
-        self._m = config.max_num_inp_token_per_rank
-        self._k = config.num_experts_per_token
-        self._e_local = config.num_experts_per_rank
-        self._r = config.max_num_tokens_to_recv()
-        self._row_bytes = config.hidden_dim * config.max_token_type_size
-        self._scale_bytes = config.scale_dim * config.scale_type_size
-        w, m, k, r = self.world_size, self._m, self._k, self._r
-
-        create = shmem.mori_shmem_create_tensor
-        self._recv_tok = create((r, self._row_bytes), torch.uint8)
-        self._recv_w = create((r, k), torch.float32)
-        self._recv_scales = create((r, self._scale_bytes), torch.uint8)
-        self._recv_idx = create((r, k), torch.int32)
-        self._recv_src = create((r,), torch.int32)
-        self._comb_inp = create((r, self._row_bytes), torch.uint8)  # registered combine input
-        # combine staging: the wire format, sized for the quant type (fp8: one byte per element,
-        # fp4: half a byte)
-        stage_bytes = {"none": self._row_bytes, "fp4_blockwise": config.hidden_dim // 2}.get(
-            config.quant_type, config.hidden_dim
-        )
-        self._stage_tok = create((w, m, stage_bytes), torch.uint8)
-        self._stage_w = create((w, m, k), torch.float32)
-        # control words: dispatch done [w], combine done [w], slot counters [2] (by parity),
-        # dispatch ready [w], combine ready [w]
-        self._ctrl = create((4 * w + 2,), torch.int64)
-        self._symm = [
-            self._recv_tok,
-            self._recv_w,
-            self._recv_scales,
-            self._recv_idx,
-            self._recv_src,
-            self._comb_inp,
-            self._stage_tok,
-            self._stage_w,
-            self._ctrl,
-        ]
-        self._stage_sc: torch.Tensor | None = None  # blockwise: fp32 block scales of the rows
-        if self._quant_scale_dim:
-            self._stage_sc = create((w, m, self._quant_scale_dim), torch.float32)
-            self._symm.append(self._stage_sc)
-        if inter:  # collective: its streams' buffers and signal words
+        #: the symmetric buffers (sizes and tensors), shared by the host path, the kernel path
+        #: and the inter-node legs; collective: every rank allocates the same tensors in order
+        self.buffers = EpBuffers(config, quant_scale_dim=quant_scale_dim, quant_block=quant_block)
+        w = self.world_size
+        if inter:  # collective: its streams' buffers and signal words (added to self.buffers)
             self._inter = internode.InterNodeHost(self)
-            self._symm.extend(self._inter.buffers())
-        for t in self._symm:
-            t.zero_()
+        self.buffers.zero()
 
         def peers(t: torch.Tensor) -> list[Any]:
             # (an empty buffer, e.g. scales with scale_dim = 0, has no address to translate; a
             # peer on another node has no view: None)
             return [t if p == self.rank or t.numel() == 0 else _peer_view(t, self.rank, p) for p in range(w)]
 
-        self._p_tok, self._p_w = peers(self._recv_tok), peers(self._recv_w)
-        self._p_scales, self._p_idx = peers(self._recv_scales), peers(self._recv_idx)
-        self._p_src = peers(self._recv_src)
-        self._p_stage_tok, self._p_stage_w = peers(self._stage_tok), peers(self._stage_w)
-        self._p_stage_sc = None if self._stage_sc is None else peers(self._stage_sc)
+        self._p_tok, self._p_w = peers(self.buffers.recv_tok), peers(self.buffers.recv_w)
+        self._p_scales, self._p_idx = peers(self.buffers.recv_scales), peers(self.buffers.recv_idx)
+        self._p_src = peers(self.buffers.recv_src)
+        self._p_stage_tok, self._p_stage_w = peers(self.buffers.stage_tok), peers(self.buffers.stage_w)
+        self._p_stage_sc = None if self.buffers.stage_sc is None else peers(self.buffers.stage_sc)
 
         self._disp_epoch = 0
         self._comb_epoch = 0
-        dev = self._recv_tok.device
+        dev = self.buffers.recv_tok.device
         if impl == "host" and dev.type != "cpu":
             raise bad_value(
                 func,
@@ -486,7 +450,7 @@ class EpDispatchCombineOp:
             )
         self._kern: KernelPath | None = None
         if kernels_requested(dev, impl):
-            qb = self._quant_block
+            qb = self.buffers.quant_block
             if qb and (qb & (qb - 1) or qb > 2048):
                 raise MoriBackendError(
                     f"{func}: quant_type={config.quant_type!r} with blocks of {qb} elements (hidden_dim / "
@@ -497,7 +461,7 @@ class EpDispatchCombineOp:
         self._total_recv = self._kern.total_recv if self._kern else torch.zeros(1, dtype=torch.int32)
         #: int32 [num_experts_per_rank]: received (token, k) pairs per local expert; filled by a
         #: dispatch with ``call_local_expert_count=True``
-        self.local_expert_count = torch.zeros(self._e_local, dtype=torch.int32, device=dev)
+        self.local_expert_count = torch.zeros(self.buffers.e_local, dtype=torch.int32, device=dev)
         self._last: EpDispatchRoutingHandle | None = None  # routing of the last finished dispatch
         self._pending_dispatch: dict[str, Any] | None = None  # sent, not yet received
         self._pending_combine: dict[str, Any] | None = None
@@ -575,17 +539,17 @@ class EpDispatchCombineOp:
 
     def max_num_tokens_to_recv(self) -> int:
         """``R``: rows of the receive buffers (and of dispatch's outputs)."""
-        return self._r
+        return self.buffers.r
 
     def max_num_tokens_to_recv_per_rank(self) -> int:
         return self.config.max_num_tokens_to_recv_per_rank()
 
     def max_num_tokens_to_send(self) -> int:
         """``world_size * M``: the span of flat source positions."""
-        return self.world_size * self._m
+        return self.world_size * self.buffers.m
 
     def max_num_tokens_to_send_per_rank(self) -> int:
-        return self._m
+        return self.buffers.m
 
     def reset(self) -> None:
         """No-op, kept for API compatibility: dispatch and combine reset their own state."""
@@ -634,7 +598,7 @@ class EpDispatchCombineOp:
     # -- control words ---------------------------------------------------------------------------
 
     def _ctrl_addr(self, i: int) -> int:
-        return self._ctrl.data_ptr() + 8 * i
+        return self.buffers.ctrl.data_ptr() + 8 * i
 
     def _signal_all(self, base: int, ranks: Sequence[int] | None = None) -> None:
         """``ctrl[base + this rank] += 1`` on every rank of ``ranks`` (default: all)."""
@@ -650,7 +614,7 @@ class EpDispatchCombineOp:
             try:
                 shmem.shmem_wait_until(self._ctrl_addr(base + p), shmem.SHMEM_CMP_GE, epoch, dtype="uint64")
             except MoriTimeoutError as e:
-                seen = self._ctrl[base : base + self.world_size].tolist()
+                seen = self.buffers.ctrl[base : base + self.world_size].tolist()
                 waited = range(self.world_size) if ranks is None else ranks
                 missing = [q for q in waited if seen[q] < epoch]
                 raise MoriTimeoutError(
@@ -674,23 +638,25 @@ class EpDispatchCombineOp:
             raise bad_value(func, f"{name}.dtype", t.dtype, _names(dtypes))
         if t.dim() != ndim:
             raise bad_value(func, f"{name}.shape", list(t.shape), f"{ndim} dimensions")
-        if t.device != self._recv_tok.device:
-            raise bad_value(func, f"{name}.device", t.device, f"{self._recv_tok.device} (the runtime's)")
+        if t.device != self.buffers.recv_tok.device:
+            raise bad_value(
+                func, f"{name}.device", t.device, f"{self.buffers.recv_tok.device} (the runtime's)"
+            )
         return t
 
     def _check_indices(self, func: str, indices: Any, n: int | None) -> torch.Tensor:
         t = self._tensor(func, "indices", indices, (torch.int32,), 2)
-        if (n is not None and t.shape[0] != n) or t.shape[1] != self._k:
+        if (n is not None and t.shape[0] != n) or t.shape[1] != self.buffers.k:
             rows = "N" if n is None else str(n)
-            raise bad_value(func, "indices.shape", list(t.shape), f"[{rows}, {self._k}] (K = top-k)")
-        if t.shape[0] > self._m:
+            raise bad_value(func, "indices.shape", list(t.shape), f"[{rows}, {self.buffers.k}] (K = top-k)")
+        if t.shape[0] > self.buffers.m:
             raise bad_value(
                 func,
                 "indices.shape[0]",
                 t.shape[0],
-                f"at most max_num_inp_token_per_rank = {self._m}",
+                f"at most max_num_inp_token_per_rank = {self.buffers.m}",
             )
-        e_total = self._e_local * self.world_size
+        e_total = self.buffers.e_local * self.world_size
         # (values are checked where that costs no device synchronisation; the kernels skip ids
         # outside [0, e_total) like -1)
         if t.device.type == "cpu" and t.numel() and bool(((t < -1) | (t >= e_total)).any()):
@@ -710,9 +676,11 @@ class EpDispatchCombineOp:
         cfg = self.config
         input = self._tensor(func, "input", input, DISPATCH_DTYPES, 2)
         n, h = input.shape
-        if n > self._m:
-            raise bad_value(func, "input.shape[0]", n, f"at most max_num_inp_token_per_rank = {self._m}")
-        if h > cfg.hidden_dim or h * input.element_size() > self._row_bytes:
+        if n > self.buffers.m:
+            raise bad_value(
+                func, "input.shape[0]", n, f"at most max_num_inp_token_per_rank = {self.buffers.m}"
+            )
+        if h > cfg.hidden_dim or h * input.element_size() > self.buffers.row_bytes:
             raise bad_value(
                 func,
                 "input.shape[1]",
@@ -723,10 +691,12 @@ class EpDispatchCombineOp:
         indices = self._check_indices(func, indices, n)
         if weights is not None:
             weights = self._tensor(func, "weights", weights, (torch.float32,), 2)
-            if tuple(weights.shape) != (n, self._k):
-                raise bad_value(func, "weights.shape", list(weights.shape), f"[{n}, {self._k}] or None")
+            if tuple(weights.shape) != (n, self.buffers.k):
+                raise bad_value(
+                    func, "weights.shape", list(weights.shape), f"[{n}, {self.buffers.k}] or None"
+                )
         if scales is not None:
-            if self._scale_bytes == 0:
+            if self.buffers.scale_bytes == 0:
                 raise bad_value(
                     func, "scales", "a tensor", "None (the config has scale_dim * scale_type_size = 0)"
                 )
@@ -762,13 +732,14 @@ class EpDispatchCombineOp:
                 f"this op has {self.config.kernel_type.name}",
             )
         if (
-            tuple(routing.dest_slot.shape) != (self.world_size, self._m)
-            or routing.dest_slot.device != self._recv_tok.device
+            tuple(routing.dest_slot.shape) != (self.world_size, self.buffers.m)
+            or routing.dest_slot.device != self.buffers.recv_tok.device
             or (routing.relay is None) != (self._inter is None)
             or (
                 self._inter is not None
                 and routing.relay is not None
-                and tuple(routing.relay[2].shape) != (self._inter.n_slots, self._m, len(self._inter.fan))
+                and tuple(routing.relay[2].shape)
+                != (self._inter.n_slots, self.buffers.m, len(self._inter.fan))
             )
         ):
             raise bad_value(func, "routing", routing, "a handle made by an op with the same config")
@@ -901,7 +872,7 @@ class EpDispatchCombineOp:
         routing: EpDispatchRoutingHandle | None,
         count: bool,
     ) -> tuple[Any, ...]:
-        w, m, rank = self.world_size, self._m, self.rank
+        w, m, rank = self.world_size, self.buffers.m, self.rank
         n, h = input.shape
         self._disp_epoch += 1
         counter = 2 * w + self._disp_epoch % 2
@@ -929,7 +900,7 @@ class EpDispatchCombineOp:
         inp_b = input.contiguous().view(torch.uint8)
         sb = 0 if scales is None else scales.shape[1] * scales.element_size()
         sc_b = None if scales is None else scales.contiguous().view(torch.uint8)
-        wts = weights if weights is not None else torch.zeros(n, self._k, dtype=torch.float32)
+        wts = weights if weights is not None else torch.zeros(n, self.buffers.k, dtype=torch.float32)
         src_pos = (
             (torch.arange(n, dtype=torch.int32) + rank * w * m) if n else torch.zeros(0, dtype=torch.int32)
         )
@@ -937,7 +908,7 @@ class EpDispatchCombineOp:
         if routing is None:
             # dest[t, p]: token t has at least one expert on rank p
             dest = torch.zeros(n, w + 1, dtype=torch.bool)
-            ranks = torch.where(indices >= 0, indices // self._e_local, w).long()
+            ranks = torch.where(indices >= 0, indices // self.buffers.e_local, w).long()
             dest.scatter_(1, ranks, True)
             dest = dest[:, :w]
             dest_slot = torch.full((w, m), -1, dtype=torch.int32)
@@ -951,7 +922,7 @@ class EpDispatchCombineOp:
                 if cnt == 0:
                     continue
                 off = shmem.shmem_atomic_fetch_add(self._ctrl_addr(counter), cnt, p)
-                if off + cnt > self._r:
+                if off + cnt > self.buffers.r:
                     overflow.append(p)
                     continue
                 dest_slot[p, toks] = torch.arange(off, off + cnt, dtype=torch.int32)
@@ -1001,18 +972,18 @@ class EpDispatchCombineOp:
         if overflow:
             raise MoriValueError(
                 f"EpDispatchCombineOp.dispatch: ranks {format_ranks(overflow)} would receive more than "
-                f"max_num_tokens_to_recv() = {self._r} rows; raise max_total_recv_tokens (the op is "
+                f"max_num_tokens_to_recv() = {self.buffers.r} rows; raise max_total_recv_tokens (the op is "
                 "unusable after this error)"
             )
         return self._dispatch_outputs(input, scales)
 
     def _dispatch_outputs(self, input: torch.Tensor, scales: torch.Tensor | None) -> tuple[Any, ...]:
         nb = input.shape[1] * input.element_size()
-        out = self._recv_tok[:, :nb].view(input.dtype)
+        out = self.buffers.recv_tok[:, :nb].view(input.dtype)
         out_s = None
         if scales is not None:
-            out_s = self._recv_scales[:, : scales.shape[1] * scales.element_size()].view(scales.dtype)
-        return out, self._recv_w, out_s, self._recv_idx, self._total_recv
+            out_s = self.buffers.recv_scales[:, : scales.shape[1] * scales.element_size()].view(scales.dtype)
+        return out, self.buffers.recv_w, out_s, self.buffers.recv_idx, self._total_recv
 
     def _dispatch_recv(self, func: str) -> None:
         pend = self._pending_dispatch
@@ -1031,7 +1002,11 @@ class EpDispatchCombineOp:
             else:
                 # the live tables: valid until the next dispatch (return_routing snapshots them)
                 self._last = EpDispatchRoutingHandle(
-                    self._kern.dest_slot, self._total_recv, self._recv_src, pend["n"], self._kern.recv_slot
+                    self._kern.dest_slot,
+                    self._total_recv,
+                    self.buffers.recv_src,
+                    pend["n"],
+                    self._kern.recv_slot,
                 )
             return
         self._wait_all(func, 0, pend["epoch"], None if self._inter is None else self._inter.local)
@@ -1045,10 +1020,10 @@ class EpDispatchCombineOp:
                     f"{func}: a peer reserved rows during a routing replay; replay on every rank"
                 )
             total = routing.num_recv
-        if total > self._r:
+        if total > self.buffers.r:
             raise MoriValueError(
                 f"{func}: rank {self.rank} would receive {total} rows, more than max_num_tokens_to_recv() = "
-                f"{self._r}; raise max_total_recv_tokens (the op is unusable after this error)"
+                f"{self.buffers.r}; raise max_total_recv_tokens (the op is unusable after this error)"
             )
         self._total_recv[0] = total
         if routing is not None:
@@ -1057,16 +1032,16 @@ class EpDispatchCombineOp:
             self._last = EpDispatchRoutingHandle(
                 pend["dest_slot"],
                 self._total_recv.clone(),
-                self._recv_src[:total].clone(),
+                self.buffers.recv_src[:total].clone(),
                 pend["n"],
                 relay=pend["relay"],
             )
         if pend["count"]:
-            idx = self._recv_idx[:total]
-            local = idx - self.rank * self._e_local
-            mine = (idx >= 0) & (local >= 0) & (local < self._e_local)
+            idx = self.buffers.recv_idx[:total]
+            local = idx - self.rank * self.buffers.e_local
+            mine = (idx >= 0) & (local >= 0) & (local < self.buffers.e_local)
             self.local_expert_count.copy_(
-                torch.bincount(local[mine].long(), minlength=self._e_local).to(torch.int32)
+                torch.bincount(local[mine].long(), minlength=self.buffers.e_local).to(torch.int32)
             )
 
     # -- combine ---------------------------------------------------------------------------------
@@ -1084,11 +1059,14 @@ class EpDispatchCombineOp:
         h = self.config.hidden_dim if hidden_dim == -1 else hidden_dim
         if isinstance(h, bool) or not isinstance(h, int) or not 1 <= h <= self.config.hidden_dim:
             raise bad_value(func, "hidden_dim", hidden_dim, f"-1 or an int in [1, {self.config.hidden_dim}]")
-        if h * dtype.itemsize > self._row_bytes:
+        if h * dtype.itemsize > self.buffers.row_bytes:
             raise bad_value(
-                func, "hidden_dim", hidden_dim, f"at most {self._row_bytes // dtype.itemsize} for {dtype}"
+                func,
+                "hidden_dim",
+                hidden_dim,
+                f"at most {self.buffers.row_bytes // dtype.itemsize} for {dtype}",
             )
-        return self._comb_inp[:, : h * dtype.itemsize].view(dtype)
+        return self.buffers.comb_inp[:, : h * dtype.itemsize].view(dtype)
 
     def combine(
         self,
@@ -1164,7 +1142,7 @@ class EpDispatchCombineOp:
         h = input.shape[1]
         if input.shape[0] < total:
             raise bad_value(func, "input.shape[0]", input.shape[0], f">= total_recv = {total}")
-        if h > self.config.hidden_dim or h * input.element_size() > self._row_bytes:
+        if h > self.config.hidden_dim or h * input.element_size() > self.buffers.row_bytes:
             raise bad_value(
                 func,
                 "input.shape[1]",
@@ -1175,7 +1153,7 @@ class EpDispatchCombineOp:
             )
         if input.stride(1) != 1:
             raise bad_value(func, "input.stride()", input.stride(), "rows with contiguous elements")
-        if not external and input.data_ptr() != self._comb_inp.data_ptr():
+        if not external and input.data_ptr() != self.buffers.comb_inp.data_ptr():
             raise bad_value(
                 func,
                 "input",
@@ -1185,25 +1163,25 @@ class EpDispatchCombineOp:
         if quant != "none":
             if input.dtype != torch.bfloat16:
                 raise bad_value(func, "input.dtype", input.dtype, f"bfloat16 with quant_type={quant!r}")
-            if self._quant_block and h % self._quant_block:
+            if self.buffers.quant_block and h % self.buffers.quant_block:
                 raise bad_value(
                     func,
                     "input.shape[1]",
                     h,
-                    f"a multiple of the {quant} block of {self._quant_block} elements",
+                    f"a multiple of the {quant} block of {self.buffers.quant_block} elements",
                 )
         if weights is not None:
             weights = self._tensor(func, "weights", weights, (torch.float32,), 2)
-            if weights.shape[0] < total or weights.shape[1] != self._k:
+            if weights.shape[0] < total or weights.shape[1] != self.buffers.k:
                 raise bad_value(
-                    func, "weights.shape", list(weights.shape), f"[>= {total}, {self._k}] or None"
+                    func, "weights.shape", list(weights.shape), f"[>= {total}, {self.buffers.k}] or None"
                 )
         self._check_indices(func, indices, handle.num_tokens)
         if self._kern is not None:
-            out = torch.empty(self._m, h, dtype=input.dtype, device=input.device)
+            out = torch.empty(self.buffers.m, h, dtype=input.dtype, device=input.device)
             out_w = None
             if weights is not None:
-                out_w = torch.empty(self._m, self._k, dtype=torch.float32, device=out.device)
+                out_w = torch.empty(self.buffers.m, self.buffers.k, dtype=torch.float32, device=out.device)
             kern = self._kern.kernels
             args: _CombineArgs = (
                 input,
@@ -1226,7 +1204,7 @@ class EpDispatchCombineOp:
         # push each received row to its source rank's staging buffer at [this rank, source token]
         w, rank = self.world_size, self.rank
         nb = h * input.element_size()
-        span = w * self._m
+        span = w * self.buffers.m
         pos = handle.recv_src_pos[:total].long()
         src_rank, src_tok = pos // span, pos % span
         scales: torch.Tensor | None = None
@@ -1245,8 +1223,8 @@ class EpDispatchCombineOp:
             for p in range(w) if self._inter is None else self._inter.local:
                 absent = (handle.dest_slot[p, :n_tok] < 0).nonzero().flatten()
                 if absent.numel():
-                    self._stage_tok[p].index_fill_(0, absent, 0)
-                    self._stage_w[p].index_fill_(0, absent, 0.0)
+                    self.buffers.stage_tok[p].index_fill_(0, absent, 0)
+                    self.buffers.stage_w[p].index_fill_(0, absent, 0.0)
         if self._inter is not None:
             self._inter.zero_absent(handle)
         self._signal_all(3 * w + 2)  # our staging buffer is free
@@ -1278,8 +1256,8 @@ class EpDispatchCombineOp:
         if self._inter is not None:  # as a relay: the node's contributions are in; send the sums
             self._wait_all(func, w, self._comb_epoch, self._inter.fan)
             self._inter.relay_combine(func, input, weights, handle, self._comb_epoch)
-        out = torch.zeros(self._m, h, dtype=input.dtype)
-        out_w = None if weights is None else torch.zeros(self._m, self._k, dtype=torch.float32)
+        out = torch.zeros(self.buffers.m, h, dtype=input.dtype)
+        out_w = None if weights is None else torch.zeros(self.buffers.m, self.buffers.k, dtype=torch.float32)
         self._pending_combine = {"epoch": self._comb_epoch, "handle": handle, "out": out, "out_w": out_w}
         if self.config.kernel_type != KT.AsyncLL:
             self._combine_recv(func)
@@ -1295,10 +1273,10 @@ class EpDispatchCombineOp:
         x = rows.float()
         scales = None
         if self.config.quant_type == "fp4_blockwise":
-            return fp4.quantise(x, self._quant_block)
-        if self._quant_block:
+            return fp4.quantise(x, self.buffers.quant_block)
+        if self.buffers.quant_block:
             n, h = x.shape
-            blocks = x.view(n, h // self._quant_block, self._quant_block)
+            blocks = x.view(n, h // self.buffers.quant_block, self.buffers.quant_block)
             amax = blocks.abs().amax(dim=2)
             scales = torch.where(amax > FP8_MAX, amax / FP8_MAX, torch.ones_like(amax))
             x = (blocks / scales[:, :, None]).view(n, h)
@@ -1335,39 +1313,41 @@ class EpDispatchCombineOp:
         nb = {"none": h * out.element_size(), "fp4_blockwise": h // 2}.get(quant, h)
         acc = self._scratch("acc", n * h, torch.float32).view(n, h)
         fresh = True  # acc holds nothing yet: the first whole block is copied, not added to zeros
-        acc_w = None if out_w is None else torch.zeros(n, self._k, dtype=torch.float32)
+        acc_w = None if out_w is None else torch.zeros(n, self.buffers.k, dtype=torch.float32)
         for p in range(self.world_size) if direct is None else direct:  # fixed order: deterministic
             toks = (handle.dest_slot[p, :n] >= 0).nonzero().flatten()
             if toks.numel() == 0:
                 continue
             if quant == "none":  # (rows of tokens not sent to p were zeroed: add them all)
-                block = _words(nb, self._stage_tok[p])[1][0][:n].view(out.dtype)
+                block = _words(nb, self.buffers.stage_tok[p])[1][0][:n].view(out.dtype)
                 if fresh:
                     acc.copy_(block)
                 else:
                     acc.add_(block)
                 fresh = False
                 if acc_w is not None:
-                    acc_w.add_(self._stage_w[p][:n])
+                    acc_w.add_(self.buffers.stage_w[p][:n])
                 continue
             if fresh:
                 acc.zero_()
                 fresh = False
             if quant == "fp4_blockwise":
-                assert self._stage_sc is not None
-                packed = self._stage_tok[p, :, :nb][toks]
+                assert self.buffers.stage_sc is not None
+                packed = self.buffers.stage_tok[p, :, :nb][toks]
                 rows = fp4.dequantise(
-                    packed, self._stage_sc[p, :, : h // self._quant_block][toks], self._quant_block
+                    packed,
+                    self.buffers.stage_sc[p, :, : h // self.buffers.quant_block][toks],
+                    self.buffers.quant_block,
                 )
             else:  # dequantise the fp8 wire rows (and their block scales) to fp32
-                rows = _words(nb, self._stage_tok[p])[1][0][toks].view(torch.float8_e4m3fn).float()
-                if self._stage_sc is not None:
-                    nblk = h // self._quant_block
-                    sc = self._stage_sc[p, :, :nblk][toks]
-                    rows = (rows.view(-1, nblk, self._quant_block) * sc[:, :, None]).view(-1, h)
+                rows = _words(nb, self.buffers.stage_tok[p])[1][0][toks].view(torch.float8_e4m3fn).float()
+                if self.buffers.stage_sc is not None:
+                    nblk = h // self.buffers.quant_block
+                    sc = self.buffers.stage_sc[p, :, :nblk][toks]
+                    rows = (rows.view(-1, nblk, self.buffers.quant_block) * sc[:, :, None]).view(-1, h)
             acc.index_add_(0, toks, rows)
             if acc_w is not None:
-                acc_w.index_add_(0, toks, self._stage_w[p][toks])
+                acc_w.index_add_(0, toks, self.buffers.stage_w[p][toks])
         if fresh:
             acc.zero_()
         if self._inter is not None:  # then every other node's sum, node by node
@@ -1449,7 +1429,7 @@ class EpDispatchCombineOp:
 
     def decode_send_flat_idx(self, pos: Any) -> tuple[Any, Any]:
         """Flat source position (int or int tensor) -> ``(src_rank, src_tok)``."""
-        span = self.world_size * self._m
+        span = self.world_size * self.buffers.m
         if isinstance(pos, torch.Tensor):
             if pos.dtype.is_floating_point or pos.dtype == torch.bool:
                 raise MoriTypeError(
