@@ -9,8 +9,6 @@ The last test (marked ``cuda``) runs the same kernels compiled, on one GPU, with
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -20,7 +18,7 @@ import pytest
 
 pytest.importorskip("triton", reason="the device API needs Triton (pip install mori-core[triton])")
 
-from mori.testing import shmem_ranks
+from mori.testing import load_module_file, shmem_ranks
 
 INTERPRET = {"TRITON_INTERPRET": "1"}
 TIMEOUT = 90.0  # a device wait has no timeout: a broken barrier or signal would hang the ranks
@@ -33,14 +31,7 @@ def _ranks(fn: Any, nranks: int, *args: Any, env: dict[str, str] | None = None) 
 
 def _test_kernels() -> ModuleType:
     """_device_kernels.py, loaded by path (tests are not a package)."""
-    name = "mori_test_device_kernels"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_device_kernels.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_module_file("mori_test_device_kernels", Path(__file__).with_name("_device_kernels.py"))
 
 
 def _int(t: Any) -> int:

@@ -25,7 +25,7 @@ import pytest
 if importlib.util.find_spec("triton") is None:
     pytest.skip("mori.ir.triton needs Triton (pip install mori-core[triton])", allow_module_level=True)
 
-from mori.testing import shmem_ranks
+from mori.testing import load_module_file, shmem_ranks
 
 INTERPRET = {"TRITON_INTERPRET": "1"}
 TIMEOUT = 90.0  # a device wait has no timeout: a broken signal would hang the ranks
@@ -38,14 +38,7 @@ def _ranks(fn: Any, *args: Any, nranks: int = NRANKS, env: dict[str, str] | None
 
 def _kernels() -> ModuleType:
     """_ir_kernels.py, loaded by path (tests are not a package)."""
-    name = "mori_test_ir_kernels"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_ir_kernels.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_module_file("mori_test_ir_kernels", Path(__file__).with_name("_ir_kernels.py"))
 
 
 def _pattern(seed: int, nbytes: int) -> Any:

@@ -8,10 +8,8 @@ The last test (marked ``cuda``) runs the same kernels compiled on one GPU, two P
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,21 +20,14 @@ import pytest
 
 pytest.importorskip("triton", reason="the device API needs Triton (pip install mori-core[triton])")
 
-from mori.testing import shmem_ranks
+from mori.testing import load_module_file, shmem_ranks
 
 TIMEOUT = 150.0  # a device wait has no timeout: a broken proxy would hang the ranks
 BASE_ENV = {"TRITON_INTERPRET": "1", "MORI_BOOTSTRAP_TIMEOUT": "60"}
 
 
 def _kernels() -> ModuleType:
-    name = "mori_test_proxy_kernels"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_proxy_kernels.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_module_file("mori_test_proxy_kernels", Path(__file__).with_name("_proxy_kernels.py"))
 
 
 def _two_nodes(rank: int, nranks: int) -> None:
@@ -800,14 +791,7 @@ def _ir_ring(rank: int, nranks: int) -> None:
 
 
 def _ir_kernels() -> ModuleType:
-    name = "mori_test_ir_kernels"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_ir_kernels.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_module_file("mori_test_ir_kernels", Path(__file__).with_name("_ir_kernels.py"))
 
 
 def test_ir_device_functions_across_two_nodes() -> None:

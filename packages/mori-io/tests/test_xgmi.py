@@ -34,7 +34,8 @@ from mori.io import (
     xgmi,
 )
 from mori.io.xgmi import XgmiBackend
-from mori.testing.gpu_runtime import FakeRuntime, load_interpreted, load_module_file
+from mori.testing import load_module_file
+from mori.testing.gpu_runtime import FakeRuntime, load_interpreted
 
 ROOT = Path(__file__).resolve().parents[3]
 MiB = 1 << 20

@@ -7,15 +7,31 @@ broken test fails in seconds instead of hanging for the production default of 30
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from mori.core import launch
 from mori.core.launch import RankError, run_ranks
 
-__all__ = ["RankError", "run_ranks", "shmem_ranks"]
+__all__ = ["RankError", "load_module_file", "run_ranks", "shmem_ranks"]
 
 TEST_TIMEOUT_S = 90.0
+
+
+def load_module_file(name: str, path: str | Path) -> ModuleType:
+    """Import the file ``path`` as module ``name``, once per process (tests are not packages: a
+    test's kernel module is loaded by path, after the test chose ``TRITON_INTERPRET``)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None, path
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def shmem_ranks(

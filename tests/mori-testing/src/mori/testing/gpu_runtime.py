@@ -51,6 +51,7 @@ from mori.core.gpu.handles import KIND_HEAP, KIND_RANGE, PciAddress
 from mori.core.gpu.runtime import GpuDevice, GpuRuntime
 from mori.core.gpu.transport import GpuP2PTransport
 from mori.core.gpu.vendor import GpuVendor
+from mori.testing import load_module_file
 from mori.testing.gpu_fake import FakeGpuLib, FakeWorld
 
 __all__ = [
@@ -230,17 +231,6 @@ def source_tree(package: str, src: Path) -> None:
     a bare checkout too); the installed package wins otherwise."""
     if importlib.util.find_spec(package) is None:
         sys.path.insert(0, str(src))
-
-
-def load_module_file(name: str, path: str) -> ModuleType:
-    """Import the file ``path`` as module ``name`` (once per process)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 # -- fixtures (a backend's conftest imports them and defines gpu_backend) -------------------------------

@@ -470,18 +470,9 @@ _GUARD = 64
 
 def _test_kernels() -> Any:
     """mori-core's test kernels over the device API (the backend's ``kernels``, passed to the ranks)."""
-    import importlib.util
-    import sys
+    from mori.testing import load_module_file
 
-    name = "mori_core_test_device_kernels"
-    if name not in sys.modules:
-        path = Path(os.environ[_KERNELS_VAR])
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None, path
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_module_file("mori_core_test_device_kernels", os.environ[_KERNELS_VAR])
 
 
 def _device_put_get(rank: int, n: int) -> None:
