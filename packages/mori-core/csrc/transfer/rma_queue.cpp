@@ -32,7 +32,17 @@ RmaQueue::RmaQueue(const mori_tp_ops* ops, mori_tp* tp, Engine* engine, bool not
 
 RmaQueue::~RmaQueue() { close(); }
 
-void RmaQueue::start() { thread_ = std::thread([this] { complete_loop(); }); }
+void RmaQueue::start() {
+  thread_ = std::thread([this] {
+    try {
+      complete_loop();
+    } catch (const std::exception& e) {  // never std::terminate the host process: fail what is queued
+      fail_queued(std::string("the RDMA backend's completion thread failed: ") + e.what());
+    } catch (...) {
+      fail_queued("the RDMA backend's completion thread failed");
+    }
+  });
+}
 
 // -- posting -----------------------------------------------------------------------------------
 
@@ -60,7 +70,7 @@ StatusPtr RmaQueue::post(bool write, const mori::Memory& lmem, const mori::Endpo
   p->uid = uid;
   {
     std::lock_guard<std::mutex> g(mu_);
-    if (closed_) return failed(ERR_BAD_STATE, what + ": the RDMA backend was removed");
+    if (closed_) return failed(ERR_BAD_STATE, what + ": " + closed_why_);
     pending_++;  // from here drain() waits for this transfer
   }
   // post: blocks that continue the previous one on both sides are merged, empty ones dropped
@@ -244,15 +254,21 @@ void RmaQueue::close() {
   }
   queue_cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  fail_queued("the RDMA backend was removed while the transfer was pending");  // past every deadline
+}
+
+void RmaQueue::fail_queued(const std::string& why) {
   std::deque<RmaPendingPtr> left;
   {
     std::lock_guard<std::mutex> g(mu_);
+    if (!closed_) closed_why_ = why;  // a dead thread: later posts say so
+    closed_ = true;
     left.swap(queue_);
   }
-  for (auto& p : left) {  // still pending past every deadline: fail them rather than hang
+  for (auto& p : left) {  // fail them rather than hang
     if (p->code == SUCCESS) {
       p->code = ERR_RDMA_OP;
-      p->msg = "the RDMA backend was removed while the transfer was pending";
+      p->msg = why;
     }
     finish(*p);
   }

@@ -100,6 +100,8 @@ class RmaQueue : public std::enable_shared_from_this<RmaQueue> {
  private:
   void finish(RmaPending& p);
   void complete_loop();
+  // Fails every queued transfer with `why` and refuses new posts with it (close, a dead thread).
+  void fail_queued(const std::string& why);
 
   const mori_tp_ops* ops_;
   mori_tp* tp_;
@@ -111,6 +113,7 @@ class RmaQueue : public std::enable_shared_from_this<RmaQueue> {
   std::deque<RmaPendingPtr> queue_;
   int64_t pending_ = 0;
   bool closed_ = false, stop_ = false;
+  std::string closed_why_ = "the RDMA backend was removed";  // what posts after closed_ say
   std::thread thread_;
   // counters
   std::atomic<int64_t> transfers_{0}, operations_{0}, completed_by_waiter_{0}, completed_by_thread_{0},
