@@ -121,6 +121,12 @@ class Status {
 };
 using StatusPtr = std::shared_ptr<Status>;
 
+// A status already complete with `code` and `message` (a transfer refused before anything moved).
+StatusPtr failed_status(int code, const std::string& message);
+// The refusal of a block outside its region: "<side> block <i>: offset .. + size .. is outside the
+// region (<limit> bytes)" (every backend's queue words it the same).
+std::string block_outside(const char* side, size_t i, uint64_t off, uint64_t size, uint64_t limit);
+
 // Waits for all; returns SUCCESS, the first failure's code, or IN_PROGRESS on timeout.
 int wait_all(const std::vector<StatusPtr>& statuses, int64_t timeout_ms);
 

@@ -10,17 +10,6 @@ namespace mori::transfer {
 
 namespace {
 
-std::string outside(const char* side, size_t i, uint64_t off, uint64_t size, uint64_t limit) {
-  return std::string(side) + " block " + std::to_string(i) + ": offset " + std::to_string(off) + " + size " +
-         std::to_string(size) + " is outside the region (" + std::to_string(limit) + " bytes)";
-}
-
-StatusPtr failed(int code, const std::string& msg) {
-  auto s = std::make_shared<Status>();
-  s->complete(code, msg);
-  return s;
-}
-
 std::string tp_message(const char* what, int rc, const mori_tp_error& e) {
   return std::string(what) + ": " + (e.message[0] ? e.message : "failed") + " (code " + std::to_string(rc) + ")";
 }
@@ -55,12 +44,12 @@ StatusPtr RmaQueue::post(bool write, const mori::Memory& lmem, const mori::Endpo
   std::string what = std::string("RDMA ") + (write ? "write" : "read") + " uid " + std::to_string(uid) + " (" +
                      std::to_string(n) + " blocks) with engine '" + peer + "'";
   if (loffs.size() != n || roffs.size() != n)
-    return failed(ERR_INVALID_ARGS, what + ": offsets and sizes differ in length");
+    return failed_status(ERR_INVALID_ARGS, what + ": offsets and sizes differ in length");
   for (size_t i = 0; i < n; ++i) {
     if (loffs[i] > lsize || sizes[i] > lsize - loffs[i])
-      return failed(ERR_INVALID_ARGS, what + ": " + outside("local", i, loffs[i], sizes[i], lsize));
+      return failed_status(ERR_INVALID_ARGS, what + ": " + block_outside("local", i, loffs[i], sizes[i], lsize));
     if (roffs[i] > rsize || sizes[i] > rsize - roffs[i])
-      return failed(ERR_INVALID_ARGS, what + ": " + outside("remote", i, roffs[i], sizes[i], rsize));
+      return failed_status(ERR_INVALID_ARGS, what + ": " + block_outside("remote", i, roffs[i], sizes[i], rsize));
   }
   auto st = std::make_shared<Status>();
   auto p = std::make_shared<RmaPending>();
@@ -70,7 +59,7 @@ StatusPtr RmaQueue::post(bool write, const mori::Memory& lmem, const mori::Endpo
   p->uid = uid;
   {
     std::lock_guard<std::mutex> g(mu_);
-    if (closed_) return failed(ERR_BAD_STATE, what + ": " + closed_why_);
+    if (closed_) return failed_status(ERR_BAD_STATE, what + ": " + closed_why_);
     pending_++;  // from here drain() waits for this transfer
   }
   // post: blocks that continue the previous one on both sides are merged, empty ones dropped

@@ -61,4 +61,15 @@ int wait_all(const std::vector<StatusPtr>& statuses, int64_t timeout_ms) {
   }
   return first_fail;
 }
+StatusPtr failed_status(int code, const std::string& message) {
+  auto s = std::make_shared<Status>();
+  s->complete(code, message);
+  return s;
+}
+
+std::string block_outside(const char* side, size_t i, uint64_t off, uint64_t size, uint64_t limit) {
+  return std::string(side) + " block " + std::to_string(i) + ": offset " + std::to_string(off) + " + size " +
+         std::to_string(size) + " is outside the region (" + std::to_string(limit) + " bytes)";
+}
+
 }  // namespace mori::transfer

@@ -11,17 +11,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string block_outside(const char* side, size_t i, uint64_t off, uint64_t size, uint64_t limit) {
-  return std::string(side) + " block " + std::to_string(i) + ": offset " + std::to_string(off) + " + size " +
-         std::to_string(size) + " is outside the region (" + std::to_string(limit) + " bytes)";
-}
-
-StatusPtr failed(int code, const std::string& msg) {
-  auto s = std::make_shared<Status>();
-  s->complete(code, msg);
-  return s;
-}
-
 int word_of(uint64_t acc) {
   for (int w : {8, 4, 2})
     if (acc % uint64_t(w) == 0) return w;
@@ -135,13 +124,13 @@ StatusPtr XgmiQueue::post(bool write, uint64_t lbase, uint64_t lsize, uint64_t r
   std::string what = std::string("XGMI ") + (write ? "write" : "read") + " uid " + std::to_string(uid) + " (" +
                      std::to_string(n) + " blocks) with engine '" + peer + "'";
   if (loffs.size() != n || roffs.size() != n)
-    return failed(ERR_INVALID_ARGS, what + ": offsets and sizes differ in length");
+    return failed_status(ERR_INVALID_ARGS, what + ": offsets and sizes differ in length");
   // the target takes no part in a GPU copy: these checks are the only ones
   for (size_t i = 0; i < n; ++i) {
     if (loffs[i] > lsize || sizes[i] > lsize - loffs[i])
-      return failed(ERR_INVALID_ARGS, what + ": " + block_outside("local", i, loffs[i], sizes[i], lsize));
+      return failed_status(ERR_INVALID_ARGS, what + ": " + block_outside("local", i, loffs[i], sizes[i], lsize));
     if (roffs[i] > rsize || sizes[i] > rsize - roffs[i])
-      return failed(ERR_INVALID_ARGS, what + ": " + block_outside("remote", i, roffs[i], sizes[i], rsize));
+      return failed_status(ERR_INVALID_ARGS, what + ": " + block_outside("remote", i, roffs[i], sizes[i], rsize));
   }
   // plan: blocks that continue the previous one on both sides are merged, empty ones dropped
   std::vector<Copy> copies;
@@ -185,9 +174,9 @@ StatusPtr XgmiQueue::post(bool write, uint64_t lbase, uint64_t lsize, uint64_t r
   p->remote = remote;
   {
     std::lock_guard<std::mutex> g(mu_);
-    if (closed_) return failed(ERR_BAD_STATE, what + ": the XGMI backend was removed");
+    if (closed_) return failed_status(ERR_BAD_STATE, what + ": the XGMI backend was removed");
     if (!local->valid.load() || !remote->valid.load())
-      return failed(ERR_INVALID_ARGS, what + ": a region was deregistered");
+      return failed_status(ERR_INVALID_ARGS, what + ": a region was deregistered");
     GpuKernel kernel;
     if (!small.empty()) {
       auto it = kernels_.find(word);
@@ -200,7 +189,7 @@ StatusPtr XgmiQueue::post(bool write, uint64_t lbase, uint64_t lsize, uint64_t r
     }
     uint64_t prev = 0;
     int rc = make_current(&prev);
-    if (rc) return failed(ERR_GPU_OP, what + ": " + error("set_context", rc));
+    if (rc) return failed_status(ERR_GPU_OP, what + ": " + error("set_context", rc));
     std::vector<void*> used;
     std::string op;
     auto use = [&](void* s) -> int {
@@ -274,7 +263,7 @@ StatusPtr XgmiQueue::post(bool write, uint64_t lbase, uint64_t lsize, uint64_t r
       for (void* ev : p->events) cfg_.calls.event_synchronize(ev);
       free_events_.insert(free_events_.end(), p->events.begin(), p->events.end());
       std::string why = rc == -1 && op == "event_synchronize" ? "no usable descriptor table left" : error(op, rc);
-      return failed(ERR_GPU_OP, what + ": " + why);
+      return failed_status(ERR_GPU_OP, what + ": " + why);
     }
     p->what = std::move(what);
     st->set_in_progress();
