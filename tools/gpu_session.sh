@@ -4,6 +4,7 @@
 #
 #   bash tools/gpu_session.sh setup tests      # every test marked cuda/gpu, ranks sharing the GPU under MPS
 #                                              # (the proxy's GPU test among them; tools/proxy_gpu_check.sh runs it alone)
+#   (carry .whl/ and, for the proxy over ucx, .whl-ucx/ with libucx-cu12 for the machine's python)
 #   bash tools/gpu_session.sh setup bench      # the GPU benchmarks the issues ask for, JSON into $OUT
 #
 # Stages: setup (install), tests, bench. Ranks that share one GPU run under MPS (started and stopped
@@ -28,6 +29,11 @@ setup() {
   for extra in packages/mori-cco; do
     [ -d "$extra" ] && python3 -m pip install -q --no-deps --no-build-isolation "$extra" 2>&1 | tail -1
   done
+  # ucx (the proxy's network transport) when its wheel was carried in .whl-ucx/ (pip download libucx-cu12)
+  if compgen -G ".whl-ucx/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile .whl-ucx/*.whl &&
+      python3 -m pip install -q --no-deps --no-build-isolation backends/ucx 2>&1 | tail -1
+  fi
   mori backends 2>&1 | tee "$OUT/backends.txt" | head -30
 }
 
@@ -35,7 +41,7 @@ tests() {
   mps_on
   step "tests: pytest -m 'cuda or gpu'"
   local dirs=(packages/mori-core/tests backends/nvlink/tests packages/mori-io/tests packages/mori-ep/tests
-              packages/mori-viz/tests packages/mori-umbp/tests/test_hbm.py)
+              packages/mori-viz/tests packages/mori-umbp/tests/test_hbm.py backends/ucx/tests)
   [ -d packages/mori-cco/tests ] && dirs+=(packages/mori-cco/tests)
   local per_test=()
   python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 300)
