@@ -15,7 +15,10 @@ One run on one GPU, ``--ranks`` ranks sharing it (start MPS first: ``nvidia-cuda
    rank's time; reported: median with p10-p90 and the ratio of medians; bar ``--ratio-bar`` (1.10).
    The combined results of the layer and of the API are checked equal first.
 
-Exit status 0 only if every bar is met. ``--out FILE`` writes the JSON record.
+Exit status 0 only if every bar is met. ``--out FILE`` writes the JSON record. ``--profile DIR``
+also runs a few calls of each (layout kernel, MORI dispatch, layer dispatch with views) under
+``torch.profiler`` after the timed runs and writes, per rank, where host and device time went
+(``DIR/rank<r>.txt``: the host wall time per call and torch's table by self CPU time).
 
     python tools/ep_deepep_gpu_check.py --ranks 2 --sms 66 --out ep-deepep-h200.json
 """
@@ -155,8 +158,49 @@ def _rank(rank: int, nranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     for buf, key, name in ((views, "v", "deepep_views"), (copies, "c", "deepep_copies")):
         res[name + "_dispatch"] = _time(lambda b=buf, k=key: layer_dispatch(b, k), iters, warmup)
         res[name + "_combine"] = _time(lambda b=buf, k=key: layer_combine(b, k), iters, warmup)
+    if spec.get("profile"):
+        _profile(
+            spec["profile"],
+            rank,
+            {
+                "get_dispatch_layout": lambda: views.get_dispatch_layout(topk_idx, EXPERTS),
+                "mori_dispatch": mori_dispatch,
+                "deepep_views_dispatch": lambda: layer_dispatch(views, "v"),
+            },
+        )
     shmem.shmem_barrier_all()
     return res
+
+
+def _profile(out_dir: str, rank: int, calls: dict[str, Any], n: int = 5) -> None:
+    """Each call ``n`` times under torch.profiler, device barrier between calls (collective)."""
+    import time
+    from pathlib import Path
+
+    import mori.shmem as shmem
+
+    cuda = torch.cuda.is_available() and os.environ.get("MORI_DEVICE_RUNTIME") == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    lines: list[str] = []
+    for name, fn in calls.items():
+        host = []
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(n):
+                shmem.shmem_barrier_on_stream() if cuda else shmem.shmem_barrier_all()
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                host.append(time.perf_counter() - t0)
+                if cuda:
+                    torch.cuda.synchronize()
+        host_us = ", ".join(f"{h * 1e6:.0f}" for h in host)
+        lines += [f"== {name}: host wall per call (us, no sync inside the timing): {host_us}"]
+        lines += [prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), ""]
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    Path(out_dir, f"rank{rank}.txt").write_text("\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout-bar-ms", type=float, default=0.1)
     p.add_argument("--ratio-bar", type=float, default=1.10)
     p.add_argument("--out", help="write the JSON record here")
+    p.add_argument("--profile", help="also profile a few calls of each; tables into this directory")
     args = p.parse_args(argv)
     from mori.core.launch import shmem_ranks
 
