@@ -49,7 +49,7 @@ def _time(fn: Any, iters: int, warmup: int) -> list[float]:
 
     import mori.shmem as shmem
 
-    cuda = torch.cuda.is_available() and os.environ.get("MORI_DEVICE_RUNTIME") == "cuda"
+    cuda = torch.cuda.is_available() and os.environ.get("MORI_DEVICE_RUNTIME") != "cpu"
     for _ in range(warmup):
         shmem.shmem_barrier_on_stream() if cuda else shmem.shmem_barrier_all()
         fn()
@@ -74,7 +74,7 @@ def _time(fn: Any, iters: int, warmup: int) -> list[float]:
 
 
 def _set_gpu(rank: int, nranks: int) -> None:
-    if os.environ.get("MORI_DEVICE_RUNTIME") == "cuda":
+    if os.environ.get("MORI_DEVICE_RUNTIME") != "cpu":
         torch.cuda.set_device(int(os.environ["EP_CHECK_GPU"]))
 
 
@@ -221,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from mori.core.launch import shmem_ranks
 
-    env = {"MORI_DEVICE_RUNTIME": args.device, "EP_CHECK_GPU": str(args.gpu)}
+    # --device cuda: this machine's GPU runtime (auto: cuda on NVIDIA GPUs, hip on AMD ones)
+    runtime = "cpu" if args.device == "cpu" else os.environ.get("MORI_DEVICE_RUNTIME", "auto")
+    env = {"MORI_DEVICE_RUNTIME": runtime, "EP_CHECK_GPU": str(args.gpu)}
     if args.device == "cuda":
         sm_count = torch.cuda.get_device_properties(args.gpu).multi_processor_count
         if args.ranks * args.sms > sm_count:

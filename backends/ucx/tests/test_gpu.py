@@ -60,7 +60,7 @@ def _rank(rank: int, nranks: int, rdv: str) -> Any:
     return "ok" if ok else "bytes differ"
 
 
-@pytest.mark.cuda
+@pytest.mark.cuda  # NVIDIA only: ucx's CUDA memory support (MEM_CUDA, CAP_CUDA_MEMORY)
 def test_cuda_memory_put_get() -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

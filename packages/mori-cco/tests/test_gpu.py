@@ -1,8 +1,10 @@
-"""mori.cco and mori.ccl on NVIDIA GPUs (marked ``cuda``; skipped, with the reason, elsewhere).
+"""mori.cco and mori.ccl on GPUs of any vendor (marked ``gpu``; skipped, with the reason, elsewhere).
 
 Two ranks; rank r uses GPU ``r % MORI_TEST_GPUS`` (default: every GPU torch sees), so one GPU
 runs both ranks (they must share it under MPS, or their kernels, which wait for each other, never
-run at once). Needs mori-backend-nvlink (the ``cuda`` runtime). Every result is checked exactly
+run at once). The runtime is the installed device plugin's that serves this machine's torch
+(:func:`~mori.testing.gpu_shmem.machine_gpu_runtime`: ``cuda`` from mori-backend-nvlink on NVIDIA
+GPUs, ``hip`` from mori-backend-xgmi on AMD ones). Every result is checked exactly
 against values computed on the host; the CUDA-graph test replays captured collectives hundreds
 of times, with inputs changed between replays, and checks every output.
 """
@@ -10,7 +12,6 @@ of times, with inputs changed between replays, and checks every output.
 from __future__ import annotations
 
 import os
-from importlib.metadata import entry_points
 from typing import Any
 
 import pytest
@@ -18,25 +19,19 @@ import torch
 
 from mori.cco import CCODevCommRequirements, Communicator, UniqueId
 from mori.testing import run_ranks
+from mori.testing.gpu_shmem import machine_gpu_runtime
 
-pytestmark = pytest.mark.cuda
+pytestmark = pytest.mark.gpu
 
 HEAP = 512 << 20
 TRANSIT = 64 << 20
 
 
-def _gpus() -> int:
-    if not torch.cuda.is_available() or torch.version.cuda is None:
-        pytest.skip("needs an NVIDIA GPU and a CUDA build of torch")
-    if not any(ep.name == "nvlink" for ep in entry_points(group="mori.backends")):
-        pytest.fail("mori-backend-nvlink is not installed: pip install backends/nvlink")
-    return int(os.environ.get("MORI_TEST_GPUS", torch.cuda.device_count()))
-
-
 def _ranks(fn: Any, *args: Any) -> list[Any]:
-    gpus = _gpus()
+    runtime = machine_gpu_runtime()  # skips without a GPU, fails without a plugin serving it
+    gpus = int(os.environ.get("MORI_TEST_GPUS", torch.cuda.device_count()))
     env = {
-        "MORI_DEVICE_RUNTIME": "cuda",
+        "MORI_DEVICE_RUNTIME": runtime,
         "MORI_BOOTSTRAP_TIMEOUT": "120",
         "CUDA_MODULE_LOADING": "EAGER",
         "MORI_TEST_GPUS": str(gpus),
@@ -77,7 +72,9 @@ def _cco(rank: int, n: int, uid: UniqueId) -> None:
     dev = _device(rank)
     k = _kernels()
     with Communicator.init(n, rank, uid, per_rank_vmm=HEAP) as c:
-        assert c.device == str(dev) and c.runtime_name == "cuda" and c.lsa_size == n
+        assert (
+            c.device == str(dev) and c.runtime_name == os.environ["MORI_DEVICE_RUNTIME"] and c.lsa_size == n
+        )
         dc = c.create_dev_comm(CCODevCommRequirements(lsa_barrier_count=4, barrier_count=1))
         out = torch.zeros(4, dtype=torch.int64, device=dev)
         k.identity_kernel[(1,)](out, dc.tensor)
@@ -95,7 +92,7 @@ def _cco(rank: int, n: int, uid: UniqueId) -> None:
         torch.cuda.synchronize()
         assert int(count) == 100
 
-        # a window over torch's own allocation (exported with CUDA IPC)
+        # a window over torch's own allocation (exported with the runtime's IPC)
         t = torch.full((1 << 20,), rank + 1, dtype=torch.int32, device=dev)
         tw = c.register_window(t.data_ptr(), t.numel() * 4)
         torch.cuda.synchronize()

@@ -214,3 +214,74 @@ def test_tables() -> None:
 
 def test_slowest_takes_each_samples_slowest_rank() -> None:
     assert bench.slowest([[1.0, 5.0, 2.0], [3.0, 1.0, 2.0]]) == [3.0, 5.0, 2.0]
+
+
+def test_output_options_are_the_same_in_every_suite(tmp_path) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    bench.output_arguments(p, "io-DEVICE", plot_note="cuda: ")
+    helps = {a.dest: a.help for a in p._actions if a.dest in ("json", "plot")}
+    assert helps["json"] == "where to write the JSON record (default bench-results/io-DEVICE.json)"
+    assert str(helps["plot"]).startswith("cuda: where to draw the plot (default: the JSON path with .png;")
+    args = p.parse_args(["--plot", "none"])
+    assert args.json is None and bench.plot_path(args.plot, bench.json_path(args.json, "io-cpu")) is None
+
+
+def test_gpu_rank_env_names_the_device_option_without_a_gpu(monkeypatch) -> None:
+    import pytest
+    import torch
+
+    from mori.core.errors import MoriValueError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(MoriValueError, match=r"mori bench x: --device='cuda' is not allowed; expected cpu"):
+        bench.gpu_rank_env("mori bench x")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("MORI_DEVICE_RUNTIME", raising=False)
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    # the vendor is this machine's: auto picks its GPU runtime (cuda or hip)
+    assert bench.gpu_rank_env("s") == {"MORI_DEVICE_RUNTIME": "auto", "CUDA_MODULE_LOADING": "EAGER"}
+    monkeypatch.setenv("MORI_DEVICE_RUNTIME", "hip")
+    assert bench.gpu_rank_env("s")["MORI_DEVICE_RUNTIME"] == "hip"
+
+
+def test_graph_or_eager_replays_a_graph_every_rank_captured(monkeypatch) -> None:
+    calls: list[str] = []
+
+    class Graph:
+        def replay(self) -> None:
+            calls.append("replay")
+
+    everyone = {"ok": True}
+    monkeypatch.setattr(bench, "agree", lambda ok: ok and everyone["ok"])
+    monkeypatch.setattr(bench, "capture_graph", lambda fn, reps: (Graph(), ""))
+    once, mode = bench.graph_or_eager(lambda: calls.append("call"), 3)
+    once()
+    assert calls == ["replay"] and mode == "CUDA graph of 3 calls, replayed between CUDA events"
+    calls.clear()
+    everyone["ok"] = False  # a peer failed its capture: every rank runs eagerly
+    once, mode = bench.graph_or_eager(lambda: calls.append("call"), 3, failed="capture failed")
+    once()
+    assert calls == ["call"] * 3 and mode == "eager, CUDA events around 3 calls (capture failed: on a peer)"
+    monkeypatch.setattr(bench, "capture_graph", lambda fn, reps: (None, "RuntimeError: no"))
+    assert bench.graph_or_eager(lambda: None, 2)[1] == (
+        "eager, CUDA events around 2 calls (graph capture failed: RuntimeError: no)"
+    )
+    once, mode = bench.graph_or_eager(lambda: None, 2, capture=False, why_eager="host reads")
+    assert mode == "eager, CUDA events around 2 calls (host reads)"
+
+
+def test_table_cells_of_bandwidths_and_spreads() -> None:
+    assert [bench.format_gbps(v) for v in (123.456, 10.0, 9.876, 0.01234)] == [
+        "123.5",
+        "10.0",
+        "9.88",
+        "0.0123",
+    ]
+    figures = bench.Stats.of([1e-6, 2e-6, 3e-6, 4e-6, 5e-6]).us()
+    assert (
+        bench.format_spread(figures) == f"{figures['median']:.1f} [{figures['p10']:.1f}-{figures['p90']:.1f}]"
+    )
+    assert bench.format_spread({"median": 2.0, "p10": 1.0, "p90": 3.25}, 2) == "2.00 [1.00-3.25]"

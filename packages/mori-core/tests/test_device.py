@@ -4,7 +4,7 @@ Triton interpreter on CPU tensors in the symmetric heap, across processes.
 Each test runs a module-level function on N ranks (mori.testing.shmem_ranks). Triton is imported
 only inside those functions, after the launcher has set ``TRITON_INTERPRET=1`` in the rank: the
 interpreter is chosen when ``triton.jit`` runs. The test kernels live in ``_device_kernels.py``.
-The last test (marked ``cuda``) runs the same kernels compiled, on one GPU, with two simulated PEs.
+The last test (marked ``gpu``, any vendor) runs the same kernels compiled, on one GPU, with two simulated PEs.
 """
 
 from __future__ import annotations
@@ -622,8 +622,8 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not _cuda_available(), reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)")
+@pytest.mark.gpu  # any vendor: Triton kernels on torch tensors (CUDA_MODULE_LOADING is ignored on ROCm)
+@pytest.mark.skipif(not _cuda_available(), reason="needs a GPU (torch.cuda.is_available() is False)")
 def test_device_api_on_one_gpu() -> None:
     from mori.testing import run_ranks
 

@@ -451,7 +451,7 @@ def _gpu_transport() -> str | None:
         return None
 
 
-@pytest.mark.cuda
+@pytest.mark.cuda  # NVIDIA only: the proxy moves device memory through ucx's CUDA memory support
 @pytest.mark.skipif(
     _gpu_transport() is None, reason="needs an NVIDIA GPU and a transport that moves CUDA memory (ucx)"
 )

@@ -254,7 +254,7 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu  # any vendor: torch's ROCm builds call their GPUs "cuda" too
 @pytest.mark.skipif(not _cuda_available(), reason="needs a GPU (torch.cuda.is_available() is False)")
 def test_from_gpu_ptr_on_the_gpu() -> None:
     import torch

@@ -16,7 +16,7 @@ import torch
 
 from mori.core import cli
 from mori.core.launch import run_ranks
-from mori.ep import bench
+from mori.ep import bench, bench_a2a
 from mori.ep.reference import dest_ranks, reference_combine
 
 # -- formulas -------------------------------------------------------------------------------------------
@@ -150,7 +150,9 @@ def _baseline_rank(rank: int, world: int, port: int) -> bool:
     try:
         for fp8 in (False, True):
             mine = _inputs(rank, fp8)
-            layout, rx, rw, ri, rs = bench.a2a_dispatch(mine["x"], mine["w"], mine["s"], mine["idx"], E_LOCAL)
+            layout, rx, rw, ri, rs = bench_a2a.a2a_dispatch(
+                mine["x"], mine["w"], mine["s"], mine["idx"], E_LOCAL
+            )
             # expected rows: every source's tokens with an expert here, by source, in token order
             exp_tok = []
             for s in range(world):
@@ -167,11 +169,11 @@ def _baseline_rank(rank: int, world: int, port: int) -> bool:
             y = bench.dequantise_fp8(rx, rs) if rs is not None else rx
             x_ref = bench.dequantise_fp8(mine["x"], mine["s"]) if fp8 else mine["x"]
             want = reference_combine(x_ref, mine["idx"], E_LOCAL, world)
-            got = bench.a2a_combine(y.to(torch.bfloat16), layout, N)
+            got = bench_a2a.a2a_combine(y.to(torch.bfloat16), layout, N)
             assert got.dtype == torch.bfloat16
             torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
             # the cached variant (split sizes known) moves the same rows
-            _, rx2, _, _, _ = bench.a2a_dispatch(
+            _, rx2, _, _, _ = bench_a2a.a2a_dispatch(
                 mine["x"], mine["w"], mine["s"], mine["idx"], E_LOCAL, layout=layout
             )
             assert torch.equal(rx2.view(torch.uint8), rx.view(torch.uint8))

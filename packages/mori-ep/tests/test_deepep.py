@@ -20,6 +20,7 @@ import mori.shmem as shmem
 from mori.core.errors import MoriStateError, MoriTypeError, MoriValueError
 from mori.ep.deepep import Buffer, Config, DispatchHandle, EventHandle, EventOverlap, LowLatencyHandle
 from mori.testing import run_ranks, shmem_ranks
+from mori.testing.gpu_shmem import machine_gpu_runtime
 
 H, E_LOCAL, K = 256, 4, 4
 #: tokens per rank in normal mode are drawn from [0, MAX_N]; above 16 the buffer grows its operator
@@ -641,9 +642,9 @@ def test_deepep_names() -> None:
 
 def _kernels(rank: int, world: int) -> str:
     """One normal and one low-latency round with the operator on its Triton kernels (interpreted
-    on the cpu runtime; on a GPU heap when MORI_DEVICE_RUNTIME=cuda)."""
+    on the cpu runtime; on a GPU heap under any other MORI_DEVICE_RUNTIME: cuda, hip)."""
     torch.set_num_threads(1)
-    gpu = os.environ.get("MORI_DEVICE_RUNTIME") == "cuda"
+    gpu = os.environ.get("MORI_DEVICE_RUNTIME", "cpu") != "cpu"
     dev = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
 
     def on_dev(d: dict[str, Any]) -> dict[str, Any]:
@@ -695,11 +696,12 @@ def test_through_triton_kernels() -> None:
     assert shmem_ranks(_kernels, 2, env=env, timeout=180) == ["ok", "ok"]
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 def test_through_triton_kernels_on_gpus() -> None:
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    env = {"MORI_DEVICE_RUNTIME": "cuda", "MORI_SHMEM_HEAP_SIZE": "512M", "MORI_BOOTSTRAP_TIMEOUT": "60"}
+    runtime = machine_gpu_runtime()  # skips without a GPU, fails without a plugin serving it
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, torch sees {torch.cuda.device_count()}")
+    env = {"MORI_DEVICE_RUNTIME": runtime, "MORI_SHMEM_HEAP_SIZE": "512M", "MORI_BOOTSTRAP_TIMEOUT": "60"}
     assert shmem_ranks(_kernels, 2, env=env, timeout=300, before_init=_gpu_rank_device) == ["ok", "ok"]
 
 

@@ -18,6 +18,7 @@ from mori.core.errors import MoriBackendError, MoriStateError, MoriTypeError, Mo
 from mori.ep import EpDispatchCombineConfig, EpDispatchCombineKernelType, EpDispatchCombineOp
 from mori.ep.reference import dest_ranks, reference_combine, reference_dispatch
 from mori.testing import shmem_ranks
+from mori.testing.gpu_shmem import machine_gpu_runtime
 
 KT = EpDispatchCombineKernelType
 M, H, E_LOCAL, K, SCALE_DIM = 16, 128, 4, 4, 8
@@ -562,18 +563,23 @@ def test_kernels_routing_handle_replay() -> None:
     shmem_ranks(_replay, 2, "triton", env=INTERPRET, timeout=300)
 
 
-# -- on GPUs (cuda runtime, the nvlink plugin): 2 ranks on 2 GPUs, 4 and 8 ranks sharing them ------
+# -- on GPUs (this machine's runtime, any vendor): 2 ranks on 2 GPUs, 4 and 8 ranks sharing them --
 
 
 def _gpu_rank_device(rank: int, nranks: int) -> None:
     torch.cuda.set_device(rank % int(os.environ["MORI_TEST_GPUS"]))
 
 
+def _gpu_env(gpus: int) -> dict[str, str]:
+    """The ranks' environment on ``gpus`` GPUs of this machine (skips with fewer, or none)."""
+    runtime = machine_gpu_runtime()  # skips without a GPU, fails without a plugin serving it
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs, torch sees {torch.cuda.device_count()}")
+    return {"MORI_DEVICE_RUNTIME": runtime, "MORI_SHMEM_HEAP_SIZE": "512M", "MORI_TEST_GPUS": str(gpus)}
+
+
 def _on_gpus(fn: Any, nranks: int, gpus: int) -> None:
-    if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
-        pytest.skip(f"needs {gpus} GPUs")
-    env = {"MORI_DEVICE_RUNTIME": "cuda", "MORI_SHMEM_HEAP_SIZE": "512M", "MORI_TEST_GPUS": str(gpus)}
-    shmem_ranks(fn, nranks, "auto", env=env, timeout=300, before_init=_gpu_rank_device)
+    shmem_ranks(fn, nranks, "auto", env=_gpu_env(gpus), timeout=300, before_init=_gpu_rank_device)
 
 
 GPU_CONFIGS = [
@@ -583,33 +589,29 @@ GPU_CONFIGS = [
 ]
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize(("nranks", "gpus"), GPU_CONFIGS)
 def test_gpu_scenarios(nranks: int, gpus: int) -> None:
     _on_gpus(_scenarios, nranks, gpus)
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 def test_gpu_scenarios_push_combine_small_chunks() -> None:
     # the suite's M = 16 tokens gives chunks under 2 tokens on a GPU: the ordinary combine gathers;
     # MORI_EP_PUSH_CHUNK forces the push (the interpreter tests push by default)
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    env = {"MORI_DEVICE_RUNTIME": "cuda", "MORI_SHMEM_HEAP_SIZE": "512M", "MORI_TEST_GPUS": "2"}
+    env = _gpu_env(2)
     env["MORI_EP_PUSH_CHUNK"] = "2"
     shmem_ranks(_scenarios, 2, "auto", env=env, timeout=300, before_init=_gpu_rank_device)
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 def test_gpu_combine_fp8_wire_quantisation() -> None:
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    env = {"MORI_DEVICE_RUNTIME": "cuda", "MORI_SHMEM_HEAP_SIZE": "512M", "MORI_TEST_GPUS": "2"}
+    env = _gpu_env(2)
     env["MORI_FP8_COMBINE_SCALE_DIM"] = "4"
     assert shmem_ranks(_quant, 2, "auto", env=env, timeout=300, before_init=_gpu_rank_device) == ["ok", "ok"]
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize(("nranks", "gpus"), GPU_CONFIGS[:2])
 def test_gpu_async_ll_and_replay(nranks: int, gpus: int) -> None:
     _on_gpus(_async_ll, nranks, gpus)

@@ -27,6 +27,7 @@ from mori.core.errors import MoriBackendError, MoriStateError, MoriValueError
 from mori.ep import EpDispatchCombineKernelType, EpDispatchCombineOp
 from mori.ep.reference import dest_ranks
 from mori.testing import shmem_ranks
+from mori.testing.gpu_shmem import machine_gpu_runtime
 
 KT = EpDispatchCombineKernelType
 _pkg = __name__.rpartition(".")[0]
@@ -280,11 +281,10 @@ def test_config_nodes_smaller_than_the_machine() -> None:
     assert _launch(_one_node, 4, 4, "tcp") == ["ok"] * 4
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 def test_gpu_heap_refuses_inter_node_types() -> None:
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
-        pytest.skip("needs a GPU")
-    env = {"MORI_DEVICE_RUNTIME": "cuda", "MORI_SHMEM_HEAP_SIZE": "256M"}
+    runtime = machine_gpu_runtime()  # skips without a GPU, fails without a plugin serving it
+    env = {"MORI_DEVICE_RUNTIME": runtime, "MORI_SHMEM_HEAP_SIZE": "256M"}
     got = shmem_ranks(_gpu_refuses, 2, env=env, timeout=TIMEOUT, before_init=_first_gpu)
     assert got == ["ok", "ok"]
 

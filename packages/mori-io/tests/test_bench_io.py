@@ -10,7 +10,7 @@ import pytest
 
 from mori.core.cli import build_parser
 from mori.core.errors import MoriError
-from mori.io import bench
+from mori.io import bench, bench_nixl, bench_peer
 
 
 def test_points_keep_what_fits_the_buffers() -> None:
@@ -67,10 +67,10 @@ def test_ucx_transports_are_read_from_ucx_logs(tmp_path: Path) -> None:
         "[x] ucp_worker.c:1 UCX INFO   init self cfg#0 rma_am(tcp/lo)\n" + line + "\n"
     )
     (tmp_path / "ucx.2.log").write_text(line.replace("init", "target") + "\n")
-    assert bench.ucx_transports(str(tmp_path)) == [
+    assert bench_nixl.ucx_transports(str(tmp_path)) == [
         "rma_am(tcp/lo) amo_am(tcp/lo) am(tcp/lo cma/memory) ka(tcp/lo)"
     ]
-    assert bench.ucx_transports(str(tmp_path / "none")) == []
+    assert bench_nixl.ucx_transports(str(tmp_path / "none")) == []
 
 
 def test_markdown_table_has_every_row_and_the_ratio() -> None:
@@ -174,7 +174,7 @@ def test_a_missing_nixl_is_reported_with_the_reason(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setitem(sys.modules, "nixl", None)  # as if not installed
     monkeypatch.setitem(sys.modules, "nixl._api", None)
-    agent, why = bench._make_nixl("x", torch.zeros(16, dtype=torch.uint8))
+    agent, why = bench_nixl.make_nixl("x", torch.zeros(16, dtype=torch.uint8))
     assert agent is None and why.startswith("nixl is not importable") and "pip install nixl" in why
 
 
@@ -223,9 +223,9 @@ def test_a_target_that_dies_is_reported_at_once() -> None:
     proc.start()
     t0 = time.monotonic()
     with pytest.raises(
-        bench.BenchPeerError, match="exited with code 3 while the initiator waited for its first"
+        bench_peer.BenchPeerError, match="exited with code 3 while the initiator waited for its first"
     ):
-        bench.await_target(parent, proc, 60.0)
+        bench_peer.await_target(parent, proc, 60.0)
     assert time.monotonic() - t0 < 30
     proc.join()
 
@@ -244,13 +244,13 @@ def test_a_silent_target_fails_after_the_timeout() -> None:
     parent, _child = ctx.Pipe()
     proc = ctx.Process(target=_silent)
     proc.start()
-    peer = bench.Peer("target", parent, proc, 1.0)
+    peer = bench_peer.Peer("target", parent, proc, 1.0)
     t0 = time.monotonic()
     try:
-        with pytest.raises(bench.BenchPeerError, match=r"did not answer within 1 s \(--timeout\)"):
+        with pytest.raises(bench_peer.BenchPeerError, match=r"did not answer within 1 s \(--timeout\)"):
             peer.ask("digest", 0, 8)
         assert 1.0 <= time.monotonic() - t0 < 10
-        assert isinstance(bench.BenchPeerError("x"), MoriError)  # `mori` prints it as an error, exit 1
+        assert isinstance(bench_peer.BenchPeerError("x"), MoriError)  # `mori` prints it as an error, exit 1
     finally:
         peer.stop(failed=True)
     assert not proc.is_alive()
@@ -258,7 +258,7 @@ def test_a_silent_target_fails_after_the_timeout() -> None:
 
 def test_timeout_option() -> None:
     parser = build_parser()
-    assert parser.parse_args(["bench", "io"]).timeout == bench.PEER_TIMEOUT_S
+    assert parser.parse_args(["bench", "io"]).timeout == bench_peer.PEER_TIMEOUT_S
     assert parser.parse_args(["bench", "io", "--timeout", "2.5"]).timeout == 2.5
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "io", "--timeout", "0"])

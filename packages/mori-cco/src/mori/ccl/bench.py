@@ -101,12 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--target-ms", type=float, default=30.0, help="cpu: about this long per sample (default 30)"
     )
     p.add_argument("--no-baseline", action="store_true", help="time mori only")
-    p.add_argument("--json", default=None, help="result record (default bench-results/cco-<device>.json)")
-    p.add_argument(
-        "--plot",
-        default=None,
-        help="plot path (default: the JSON path with .png; 'none' for none; needs matplotlib)",
-    )
+    bench.output_arguments(p, "cco-DEVICE")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
     p.add_argument(
         "--trace",
@@ -162,13 +157,8 @@ def run(args: argparse.Namespace) -> int:
     if spec["device"] == "cuda":
         import torch
 
-        if not torch.cuda.is_available():
-            raise bad_value(SUITE, "--device", "cuda", "cpu: torch sees no CUDA device here")
+        env = bench.gpu_rank_env(SUITE)
         spec["gpus"] = spec["gpus"] or torch.cuda.device_count()
-        env = {
-            "MORI_DEVICE_RUNTIME": os.environ.get("MORI_DEVICE_RUNTIME", "cuda"),
-            "CUDA_MODULE_LOADING": os.environ.get("CUDA_MODULE_LOADING", "EAGER"),
-        }
     uid = Communicator.get_unique_id()
     load_before = os.getloadavg()
     results = run_ranks(_rank_main, spec["ranks"], uid, spec, timeout=args.timeout, env=env)
@@ -300,28 +290,11 @@ class _Timer:
 
     def _gpu(self, fns: dict[str, Callable[[], object]]) -> dict[str, dict[str, Any]]:
         spec, reps = self.spec, self.spec["reps"]
-        plans: dict[str, tuple[Any, str]] = {}
-        for name, fn in fns.items():
-            graph, error = bench.capture_graph(fn, reps)
-            if bench.agree(graph is not None):
-                plans[name] = (graph, f"CUDA graph of {reps} calls, replayed between CUDA events")
-            else:
-                plans[name] = (
-                    None,
-                    f"eager, CUDA events around {reps} calls (capture failed: {error or 'on a peer'})",
-                )
+        plans = {name: bench.graph_or_eager(fn, reps, failed="capture failed") for name, fn in fns.items()}
         samples: dict[str, list[float]] = {name: [] for name in fns}
         for i in range(spec["warmup"] + spec["iters"]):
-            for name, fn in fns.items():
-                graph = plans[name][0]
-
-                def once(graph: Any = graph, fn: Callable[[], object] = fn) -> None:
-                    if graph is not None:
-                        graph.replay()
-                    else:
-                        for _ in range(reps):
-                            fn()
-
+            for name in fns:
+                once = plans[name][0]
                 self.comm.barrier()
                 if self.device_barrier is not None:
                     self.device_barrier()  # the ranks start together, on the device

@@ -7,17 +7,19 @@ of a noisy distribution alone. A suite module keeps its workload (what it runs, 
 their formulas); how options are parsed, how a call is timed, how a record, a table or a plot is
 written lives here once, so every suite does it the same way.
 
-* options: :func:`size_list` (``"4K,1M"``), :func:`int_list`, :func:`name_list`, and
-  :func:`json_path` / :func:`plot_path` (``--plot none`` means no plot, in every suite);
-* placement: :func:`free_port`, :func:`cpu_threads`, :func:`gpu_per_rank`, :func:`device_name`,
-  :func:`agree`;
+* options: :func:`size_list` (``"4K,1M"``), :func:`int_list`, :func:`name_list`,
+  :func:`output_arguments` (``--json`` and ``--plot``), and :func:`json_path` / :func:`plot_path`
+  (``--plot none`` means no plot, in every suite);
+* placement: :func:`free_port`, :func:`cpu_threads`, :func:`gpu_rank_env`, :func:`gpu_per_rank`,
+  :func:`device_name`, :func:`agree`;
 * timers: :func:`time_samples`, :func:`time_interleaved`, :func:`time_transfers` and
-  :func:`time_pipelined` (host clock), :func:`capture_graph` and :func:`time_cuda` (CUDA graphs
-  and events);
+  :func:`time_pipelined` (host clock), :func:`capture_graph`, :func:`graph_or_eager` and
+  :func:`time_cuda` (CUDA graphs and events);
 * statistics: :class:`Stats`, :func:`percentile`, :func:`slowest`, :func:`spread`, :func:`gbps`;
 * the baseline: :func:`speedup`, :func:`untrusted`, :func:`compare` and :func:`ratio_notes`;
 * output: :func:`write_json` (git sha, machine, config, rows), :func:`format_table`,
-  :func:`format_row`, :func:`markdown_table`, :func:`human_bytes`, :func:`draw_plot`, and
+  :func:`format_row`, :func:`markdown_table`, :func:`human_bytes`, :func:`format_gbps`,
+  :func:`format_spread`, :func:`draw_plot`, and
   :class:`Progress` (a progress line on a terminal, silent otherwise).
 """
 
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from mori.core.errors import MoriValueError
+from mori.core.errors import MoriValueError, bad_value
 
 __all__ = [
     "CLIFF_LIMIT",
@@ -53,18 +55,23 @@ __all__ = [
     "cpu_threads",
     "device_name",
     "draw_plot",
+    "format_gbps",
     "format_row",
+    "format_spread",
     "format_table",
     "free_port",
     "gbps",
     "git_sha",
     "gpu_per_rank",
+    "gpu_rank_env",
+    "graph_or_eager",
     "human_bytes",
     "int_list",
     "json_path",
     "machine",
     "markdown_table",
     "name_list",
+    "output_arguments",
     "percentile",
     "plot_path",
     "ratio_notes",
@@ -145,6 +152,22 @@ def json_path(given: str | Path | None, default_name: str) -> Path:
     return Path(given) if given else Path("bench-results") / f"{default_name}.json"
 
 
+def output_arguments(p: argparse.ArgumentParser, record: str, *, plot_note: str = "") -> None:
+    """Add a suite's ``--json`` (read with :func:`json_path`) and ``--plot`` (:func:`plot_path`)
+    options to ``p``, with the same help in every suite: ``record`` names the default record in that
+    help (``"ep-DEVICE"``: ``bench-results/ep-DEVICE.json``), ``plot_note`` leads the plot's help
+    (``"cuda: "`` where only one device draws one)."""
+    p.add_argument(
+        "--json", default=None, help=f"where to write the JSON record (default bench-results/{record}.json)"
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        help=f"{plot_note}where to draw the plot (default: the JSON path with .png; 'none' for no plot; "
+        "needs matplotlib)",
+    )
+
+
 def plot_path(given: str | Path | None, record: Path) -> Path | None:
     """Where a suite draws its plot: ``--plot`` if given, else the record's path with ``.png``;
     ``None`` for ``--plot none`` (no plot). The one place that reads the option's value."""
@@ -168,6 +191,22 @@ def free_port() -> int:
 def cpu_threads(nranks: int) -> int:
     """torch threads per CPU rank when ``nranks`` ranks share the cores: an even share, at least 1."""
     return max(1, (os.cpu_count() or 1) // nranks)
+
+
+def gpu_rank_env(suite: str) -> dict[str, str]:
+    """The environment of a suite's ranks with ``--device cuda`` (torch's name for the GPUs of every
+    vendor): ``MORI_DEVICE_RUNTIME`` as the caller's, else ``auto`` (the usable runtime of highest
+    priority: this machine's GPU runtime, ``cuda`` or ``hip``), and ``CUDA_MODULE_LOADING`` as the
+    caller's, else ``EAGER`` (a kernel first loaded while another spins for it may deadlock).
+    Raises :class:`MoriValueError` naming ``--device`` where torch sees no GPU."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
+        raise bad_value(suite, "--device", "cuda", "cpu: torch sees no CUDA device here")
+    return {
+        "MORI_DEVICE_RUNTIME": os.environ.get("MORI_DEVICE_RUNTIME", "auto"),
+        "CUDA_MODULE_LOADING": os.environ.get("CUDA_MODULE_LOADING", "EAGER"),
+    }
 
 
 def gpu_per_rank(rank: int, nranks: int, gpus: int | None = None) -> None:
@@ -310,6 +349,39 @@ def capture_graph(fn: Callable[[], object], reps: int) -> tuple[Any, str]:
         return None, f"{type(e).__name__}: {e}".splitlines()[0][:200]
     torch.cuda.synchronize()
     return graph, ""
+
+
+def graph_or_eager(
+    fn: Callable[[], object],
+    reps: int,
+    *,
+    capture: bool = True,
+    why_eager: str = "",
+    failed: str = "graph capture failed",
+) -> tuple[Callable[[], None], str]:
+    """How every rank times ``reps`` calls of ``fn`` on the GPU: ``(once, mode)``, ``once()`` making
+    the ``reps`` calls (a replay of their CUDA graph, or a loop) for :func:`time_cuda`, and ``mode``
+    saying which for the record. With ``capture`` the calls are captured (:func:`capture_graph`) and
+    replayed where every rank's capture succeeded (:func:`agree`, collective), else run eagerly
+    with the reason after ``failed``; without, eagerly, for ``why_eager`` if given."""
+    graph: Any = None
+    mode = f"eager, CUDA events around {reps} calls" + (f" ({why_eager})" if why_eager else "")
+    if capture:
+        graph, error = capture_graph(fn, reps)
+        if agree(graph is not None):
+            mode = f"CUDA graph of {reps} calls, replayed between CUDA events"
+        else:
+            graph = None
+            mode = f"eager, CUDA events around {reps} calls ({failed}: {error or 'on a peer'})"
+
+    def once() -> None:
+        if graph is not None:
+            graph.replay()
+        else:
+            for _ in range(reps):
+                fn()
+
+    return once, mode
 
 
 def time_cuda(run: Callable[[], object], calls: int) -> float:
@@ -580,6 +652,16 @@ def human_bytes(n: int) -> str:
         if n >= size and n % size == 0:
             return f"{n // size} {unit}"
     return f"{n} B"
+
+
+def format_gbps(v: float) -> str:
+    """A bandwidth for a table: one decimal from 10 on, three significant digits below."""
+    return f"{v:.1f}" if v >= 10 else f"{v:.3g}"
+
+
+def format_spread(figures: Mapping[str, float], digits: int = 1) -> str:
+    """``"median [p10-p90]"`` of a :meth:`Stats.us`-style mapping, for a table cell."""
+    return f"{figures['median']:.{digits}f} [{figures['p10']:.{digits}f}-{figures['p90']:.{digits}f}]"
 
 
 def draw_plot(path: Path | None, draw: Callable[[Any], Any], *, dpi: int = 120) -> bool:

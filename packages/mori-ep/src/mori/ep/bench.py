@@ -3,12 +3,12 @@
 ``mori bench ep`` runs :class:`~mori.ep.EpDispatchCombineOp` on ``--ranks`` local ranks and, in the
 same run on the same inputs, the dispatch/combine a user would write without MORI:
 
-* **baseline dispatch** (:func:`a2a_dispatch`): per destination rank, the tokens with at least one
+* **baseline dispatch** (:func:`mori.ep.bench_a2a.a2a_dispatch`): per destination rank, the tokens with at least one
   expert there (the same once-per-destination-rank rule as MORI); ``all_to_all_single`` of the
   split sizes, then ``all_to_all_single`` of the token rows and of one packed row of metadata
   (K weights, K expert ids, scales) with those splits. The counts exchange and the host sync that
   reading the split sizes needs are part of its time.
-* **baseline combine** (:func:`a2a_combine`): the reverse ``all_to_all_single`` of the expert
+* **baseline combine** (:func:`mori.ep.bench_a2a.a2a_combine`): the reverse ``all_to_all_single`` of the expert
   outputs, then an fp32 ``index_add_`` over each token's destination ranks at the source.
 
 NCCL on GPUs (``--device cuda``), gloo on CPU ranks (``--device cpu``). Both combines move the token
@@ -54,21 +54,18 @@ import argparse
 import functools
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mori.core import bench
 from mori.core.bench import gbps
 from mori.core.errors import bad_value
+from mori.ep.bench_a2a import a2a_combine, a2a_dispatch
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "A2ALayout",
-    "a2a_combine",
-    "a2a_dispatch",
     "add_arguments",
     "bytes_deepep",
     "bytes_original",
@@ -114,7 +111,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["cpu", "cuda"],
         default="cpu",
         help="cpu: ranks are local processes on the cpu runtime, baseline on gloo; cuda: one process per "
-        "GPU (rank r on GPU r %% count), mori.shmem on the cuda runtime, baseline on NCCL",
+        "GPU (rank r on GPU r %% count), mori.shmem on its GPU runtime (MORI_DEVICE_RUNTIME, default auto), "
+        "baseline on NCCL (RCCL on ROCm)",
     )
     p.add_argument("--ranks", type=int, default=2, help="expert-parallel ranks (default 2)")
     p.add_argument(
@@ -184,14 +182,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=123, help="routing and token seed (default 123)")
     p.add_argument("--no-baseline", action="store_true", help="skip the all_to_all_single baseline")
-    p.add_argument(
-        "--json", default=None, help="where to write the JSON record (default bench-results/ep-DEVICE.json)"
-    )
-    p.add_argument(
-        "--plot",
-        default=None,
-        help="where to draw the plot (default: the JSON path with .png; 'none' for no plot; needs matplotlib)",
-    )
+    bench.output_arguments(p, "ep-DEVICE")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
     p.add_argument(
         "--trace",
@@ -390,105 +381,6 @@ def dequantise_fp8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return v.reshape(n, h).to(torch.bfloat16)
 
 
-# -- the baseline: torch.distributed.all_to_all_single ----------------------------------------------------
-
-
-@dataclass
-class A2ALayout:
-    """Where a baseline dispatch sent and received rows; its combine reverses it.
-
-    Attributes:
-        send_tok: int64 [S]: source token of each sent row, rows grouped by destination rank.
-        send_counts: rows sent to each rank (``S = sum``).
-        recv_counts: rows received from each rank.
-    """
-
-    send_tok: torch.Tensor
-    send_counts: list[int]
-    recv_counts: list[int]
-
-
-def a2a_dispatch(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    scales: torch.Tensor | None,
-    indices: torch.Tensor,
-    num_experts_per_rank: int,
-    *,
-    layout: A2ALayout | None = None,
-    group: Any = None,
-) -> tuple[A2ALayout, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Dispatch with ``all_to_all_single``, as a user would write it. Collective.
-
-    Each token goes once to every distinct rank hosting one of its experts (``-1`` ids skipped).
-    Without ``layout``: count rows per destination, exchange the counts (``all_to_all_single``) and
-    read them on the host, then exchange the token rows and one packed metadata row (weights,
-    expert ids, scales) per token. With ``layout`` (same routing as the call that made it): the
-    counts exchange is skipped (the "cached" variant, graph-capturable).
-
-    Returns ``(layout, recv_x [R, H], recv_weights [R, K] f32, recv_indices [R, K] int32,
-    recv_scales [R, S] | None)``, rows grouped by source rank, each group in token order.
-    """
-    import torch
-    import torch.distributed as dist
-
-    world = dist.get_world_size(group)
-    n, h = x.shape
-    k = indices.shape[1]
-    if layout is None:
-        ranks = torch.where(indices >= 0, indices // num_experts_per_rank, world).long()
-        dest = torch.zeros(n, world + 1, dtype=torch.bool, device=x.device)
-        dest.scatter_(1, ranks, True)
-        dest = dest[:, :world]
-        # (rank, token) pairs in rank-major order: the rows of each destination are contiguous
-        send_tok = dest.t().nonzero()[:, 1]
-        send_counts_t = dest.sum(0)
-        recv_counts_t = torch.empty_like(send_counts_t)
-        dist.all_to_all_single(recv_counts_t, send_counts_t, group=group)
-        layout = A2ALayout(send_tok, send_counts_t.tolist(), recv_counts_t.tolist())  # host sync
-    total = sum(layout.recv_counts)
-    meta_cols = 2 * k + (0 if scales is None else scales.shape[1])
-    meta = torch.empty(n, meta_cols, dtype=torch.int32, device=x.device)
-    meta[:, :k] = weights.float().view(torch.int32)
-    meta[:, k : 2 * k] = indices
-    if scales is not None:
-        meta[:, 2 * k :] = scales.float().view(torch.int32)
-    # fp8 rows travel as bytes: same bits, and gloo has no float8 type
-    wire = x.view(torch.uint8) if x.element_size() == 1 else x
-    recv_x = torch.empty(total, h, dtype=wire.dtype, device=x.device)
-    dist.all_to_all_single(
-        recv_x, wire.index_select(0, layout.send_tok), layout.recv_counts, layout.send_counts, group=group
-    )
-    recv_meta = torch.empty(total, meta_cols, dtype=torch.int32, device=x.device)
-    dist.all_to_all_single(
-        recv_meta, meta.index_select(0, layout.send_tok), layout.recv_counts, layout.send_counts, group=group
-    )
-    recv_scales = None if scales is None else recv_meta[:, 2 * k :].view(torch.float32)
-    return (
-        layout,
-        recv_x.view(x.dtype),
-        recv_meta[:, :k].view(torch.float32),
-        recv_meta[:, k : 2 * k],
-        recv_scales,
-    )
-
-
-def a2a_combine(y: torch.Tensor, layout: A2ALayout, num_tokens: int, *, group: Any = None) -> torch.Tensor:
-    """Combine with ``all_to_all_single``: send received row ``i``'s output ``y[i]`` back to its
-    source, which sums each token's rows in fp32 (``index_add_``) and casts once. Collective.
-
-    ``y``: [R, H], row ``i`` for received row ``i`` of :func:`a2a_dispatch`. Returns [num_tokens, H].
-    """
-    import torch
-    import torch.distributed as dist
-
-    back = torch.empty(len(layout.send_tok), y.shape[1], dtype=y.dtype, device=y.device)
-    dist.all_to_all_single(back, y, layout.send_counts, layout.recv_counts, group=group)
-    acc = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
-    acc.index_add_(0, layout.send_tok, back.float())
-    return acc.to(y.dtype)
-
-
 # -- ranks ---------------------------------------------------------------------------------------------
 
 
@@ -506,12 +398,7 @@ def _launch(spec: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(spec["port"])}
     heap = os.environ.get("MORI_SHMEM_HEAP_SIZE") or str(_heap_bytes(spec))
     if spec["device"] == "cuda":
-        import torch
-
-        if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
-            raise bad_value(SUITE, "--device", "cuda", "cpu: torch sees no CUDA device here")
-        env["MORI_DEVICE_RUNTIME"] = os.environ.get("MORI_DEVICE_RUNTIME", "cuda")
-        env["CUDA_MODULE_LOADING"] = os.environ.get("CUDA_MODULE_LOADING", "EAGER")
+        env.update(bench.gpu_rank_env(SUITE))
         return shmem_ranks(
             _rank_main,
             spec["ranks"],
@@ -591,26 +478,7 @@ class _Timer:
             return self._wall(fn)
         import torch
 
-        reps = self.reps
-        graph: Any = None
-        mode = f"eager, CUDA events around {reps} calls" + (f" ({why_eager})" if why_eager else "")
-        if capture:
-            graph, error = bench.capture_graph(fn, reps)
-            if bench.agree(graph is not None):
-                mode = f"CUDA graph of {reps} calls, replayed between CUDA events"
-            else:
-                graph = None
-                mode = (
-                    f"eager, CUDA events around {reps} calls (graph capture failed: {error or 'on a peer'})"
-                )
-
-        def once() -> None:
-            if graph is not None:
-                graph.replay()
-            else:
-                for _ in range(reps):
-                    fn()
-
+        once, mode = bench.graph_or_eager(fn, self.reps, capture=capture, why_eager=why_eager)
         for _ in range(self.warmup):
             self._barrier()
             once()
@@ -618,7 +486,7 @@ class _Timer:
         samples = []
         for _ in range(self.iters):
             self._barrier()
-            samples.append(bench.time_cuda(once, reps))
+            samples.append(bench.time_cuda(once, self.reps))
         return {"samples": samples, "mode": mode}
 
     def _wall(self, fn: Callable[[], object]) -> dict[str, Any]:
@@ -891,14 +759,6 @@ def _baseline_row(
     return row
 
 
-def _fmt_gbps(v: float) -> str:
-    return f"{v:.1f}" if v >= 10 else f"{v:.3g}"
-
-
-def _fmt_lat(lat: dict[str, Any]) -> str:
-    return f"{lat['median']:.1f} [{lat['p10']:.1f}-{lat['p90']:.1f}]"
-
-
 def _report(spec: dict[str, Any], results: list[dict[str, Any]], rows: list[dict[str, Any]]) -> bool:
     dev = spec["device"]
     base_name = "NCCL" if dev == "cuda" else "gloo"
@@ -915,10 +775,10 @@ def _report(spec: dict[str, Any], results: list[dict[str, Any]], rows: list[dict
                 r["tokens"],
                 dtype,
                 "n/a" if dev == "cpu" else ("default" if r["sms"] == -1 else r["sms"]),
-                _fmt_lat(r["latency_us"]),
-                _fmt_gbps(r["gbps_original"]),
-                _fmt_gbps(r["gbps_deepep"]),
-                "-" if b is None else _fmt_lat(b["latency_us"]),
+                bench.format_spread(r["latency_us"]),
+                bench.format_gbps(r["gbps_original"]),
+                bench.format_gbps(r["gbps_deepep"]),
+                "-" if b is None else bench.format_spread(b["latency_us"]),
                 "-" if b is None else f"{r['ratio']:.2f}",
             ]
         )
@@ -989,8 +849,8 @@ def _report(spec: dict[str, Any], results: list[dict[str, Any]], rows: list[dict
             seen.add(key)
             c = r["baseline"]["cached"]
             print(
-                f"  {r['tokens']} tokens {r['dispatch_dtype']}: {_fmt_lat(c['latency_us'])} us, "
-                f"{_fmt_gbps(c['gbps_deepep'])} GB/s DeepEP ({c['timing']})"
+                f"  {r['tokens']} tokens {r['dispatch_dtype']}: {bench.format_spread(c['latency_us'])} us, "
+                f"{bench.format_gbps(c['gbps_deepep'])} GB/s DeepEP ({c['timing']})"
             )
     if spec["baseline_skipped"]:
         print(f"baseline not run: {spec['baseline_skipped']}")
@@ -1001,8 +861,8 @@ def _report(spec: dict[str, Any], results: list[dict[str, Any]], rows: list[dict
         for r in rows:
             t = r["traced"]
             print(
-                f"  {r['phase']} {r['tokens']} tokens {r['dtype']} sms {r['sms']}: {_fmt_lat(t['latency_us'])} us "
-                f"vs {_fmt_lat(r['latency_us'])} us, ratio {t['ratio']:.4f}"
+                f"  {r['phase']} {r['tokens']} tokens {r['dtype']} sms {r['sms']}: {bench.format_spread(t['latency_us'])} us "
+                f"vs {bench.format_spread(r['latency_us'])} us, ratio {t['ratio']:.4f}"
             )
     verified = all(r["verified"] for r in rows)
     base_ok = all(r["baseline"]["verified"] for r in rows if "baseline" in r)

@@ -27,6 +27,12 @@ back and then waited for (the GPU's bandwidth, not the host's round trip; copy_:
 both GPUs at the end), while latency and post time stay stop-and-wait; plus the latency of a batch
 of 128 strided 16 KiB blocks, through the scatter-gather kernel and with one copy per block. Every
 path is checked byte-exact first.
+
+This module keeps the workload; the concepts beside it live in modules of their own: the pipe to
+the other processes (:mod:`mori.io.bench_peer`), the NIXL baseline (:mod:`mori.io.bench_nixl`),
+the buffers on pages or huge pages (:mod:`mori.io.bench_buffers`) and the network namespaces of
+``--netns on`` (:mod:`mori.io.bench_netns`); options, timers, tables and the record are
+:mod:`mori.core.bench`'s.
 """
 
 from __future__ import annotations
@@ -34,13 +40,9 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import glob
-import hashlib
 import multiprocessing as mp
 import os
-import re
 import statistics
-import sys
 import tempfile
 import time
 import traceback
@@ -51,7 +53,10 @@ from typing import Any
 from mori.core import bench
 from mori.core.bench import time_pipelined, time_transfers
 from mori.core.env import parse_positive_float, parse_size
-from mori.core.errors import MoriError
+from mori.io.bench_buffers import cpu_buffer, digest, huge_fraction
+from mori.io.bench_netns import enter_namespace, make_namespaces, veth_bytes
+from mori.io.bench_nixl import NixlBaseline, make_nixl, nixl_missing, ucx_transports
+from mori.io.bench_peer import PEER_TIMEOUT_S, TARGET_TIMEOUT_S, Peer, exit_without_teardown
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_BLOCKS = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB]
@@ -61,15 +66,6 @@ BYTES_PER_REP = 128 * MiB
 MIN_ITERS, MAX_ITERS = 5, 1000
 #: the GPU batch-latency figure: this many strided blocks of this size
 GPU_BATCH, GPU_BATCH_BLOCK = 128, 16 * KiB
-#: how long the target waits for the initiator's next message
-TARGET_TIMEOUT_S = 1800.0
-#: default of --timeout: how long the initiator waits for a bench process's answer
-PEER_TIMEOUT_S = 120.0
-
-
-class BenchPeerError(MoriError, RuntimeError):
-    """A process of the benchmark (the target, or NIXL's initiator) exited or did not answer within
-    ``--timeout`` seconds. Its own error, if it printed one, is above this message."""
 
 
 #: the option parsers (mori.core.bench's, with this suite's allowed values)
@@ -172,14 +168,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"seconds to wait for an answer of the target process (start included) before failing "
         f"(default {PEER_TIMEOUT_S:.0f}); a target that exits fails the run at once",
     )
-    p.add_argument(
-        "--json", default=None, help="where to write the JSON record (default bench-results/io-DEVICE.json)"
-    )
-    p.add_argument(
-        "--plot",
-        default=None,
-        help="where to draw the plot (default: the JSON path with .png; 'none' for no plot; needs matplotlib)",
-    )
+    bench.output_arguments(p, "io-DEVICE")
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
@@ -257,54 +246,6 @@ def session_post(
     return lambda: many(offs, offs, szs, uid())
 
 
-def cpu_buffer(nbytes: int, kind: str) -> Any:
-    """A uint8 tensor of ``nbytes`` zeros: ``pages`` from torch's allocator, ``huge`` in an anonymous
-    mapping marked MADV_HUGEPAGE and touched, so the kernel backs it with 2 MiB pages where it can.
-    The mapping lives as long as the tensor (torch keeps the buffer object alive)."""
-    import mmap
-
-    import torch
-
-    if kind == "pages":
-        return torch.zeros(nbytes, dtype=torch.uint8)
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    m.madvise(mmap.MADV_HUGEPAGE)
-    t = torch.frombuffer(m, dtype=torch.uint8)
-    t.zero_()  # fault every page in now, on huge pages
-    return t
-
-
-def huge_fraction(t: Any) -> float:
-    """The share of a tensor's bytes the kernel maps with huge pages now (from /proc/self/smaps)."""
-    addr, size = t.data_ptr(), t.numel() * t.element_size()
-    huge, overlaps = 0, 0
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            overlaps = max(0, min(hi, addr + size) - max(lo, addr))
-        elif overlaps and head == "AnonHugePages:":
-            huge += min(int(line.split()[1]) * 1024, overlaps)
-    return huge / size if size else 0.0
-
-
-def _digest(data: Any) -> str:
-    return hashlib.blake2b(bytes(data), digest_size=16).hexdigest()
-
-
-def ucx_transports(log_dir: str) -> list[str]:
-    """The UCX endpoint configurations (lanes and transports) written to UCX's log files."""
-    seen: list[str] = []
-    for path in sorted(glob.glob(os.path.join(log_dir, "ucx.*.log"))):
-        for line in Path(path).read_text(errors="replace").splitlines():
-            m = re.search(r"(intra-node|self|inter-node) cfg#\d+\s+(.*)$", line)
-            if m and m.group(1) != "self":
-                cfg = re.sub(r"\s+", " ", m.group(2).strip())
-                if cfg not in seen:
-                    seen.append(cfg)
-    return seen
-
-
 def _fmt(x: float, digits: int = 2) -> str:
     return f"{x:.{digits}f}"
 
@@ -324,164 +265,6 @@ def _make_engine(key: str, cma: bool, backend: str = "tcp") -> Any:
     return engine
 
 
-def _nixl_missing() -> str:
-    """``""`` if NIXL's Python API imports, else why not."""
-    try:
-        import nixl._api  # noqa: F401
-    except Exception as e:  # not installed, or installed without a usable backend
-        return f"nixl is not importable ({type(e).__name__}: {e}); pip install nixl"
-    return ""
-
-
-def _make_nixl(name: str, buf: Any, progress_thread: bool = True) -> tuple[Any, str]:
-    """A NIXL agent (UCX backend) with ``buf`` registered, or (None, why not). ``progress_thread``:
-    NIXL's own progress thread (a passive target needs it; it keeps a core busy while it lives)."""
-    why = _nixl_missing()
-    if why:
-        return None, why
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    try:
-        agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
-        if "UCX" not in agent.backends:
-            return None, "nixl has no UCX backend plugin here"
-        agent.register_memory(agent.get_reg_descs([(buf.data_ptr(), buf.numel(), 0, "")], "DRAM"))
-        return agent, ""
-    except Exception as e:
-        return None, f"nixl agent creation failed: {type(e).__name__}: {e}"
-
-
-class Peer:
-    """The initiator's end of the pipe to a bench process: every answer is awaited at most
-    ``timeout_s`` seconds, and a process that has exited fails the wait at once (a pipe alone would
-    wait forever: this process holds both of its ends)."""
-
-    def __init__(self, name: str, conn: Any, proc: Any, timeout_s: float) -> None:
-        self.name, self.conn, self.proc, self.timeout_s = name, conn, proc, timeout_s
-
-    def lost(self, what: str) -> BenchPeerError:
-        return BenchPeerError(
-            f"mori bench io: the {self.name} process exited with code {self.proc.exitcode} while the "
-            f"initiator waited for {what} (its error, if it printed one, is above)"
-        )
-
-    def send(self, msg: Any) -> None:
-        try:
-            self.conn.send(msg)
-        except OSError as e:
-            raise self.lost(f"it to take {msg[0]!r}") from e
-
-    def recv(self, what: str = "an answer", timeout_s: float | None = None) -> Any:
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + limit
-        while not self.conn.poll(0.1):
-            if not self.proc.is_alive():
-                if self.conn.poll(0):  # it answered, then exited
-                    break
-                raise self.lost(what)
-            if time.monotonic() > deadline:
-                raise BenchPeerError(
-                    f"mori bench io: the {self.name} process (pid {self.proc.pid}) did not answer within "
-                    f"{limit:g} s (--timeout) while the initiator waited for {what}"
-                )
-        try:
-            return self.conn.recv()
-        except EOFError as e:
-            raise self.lost(what) from e
-
-    def ask(self, *msg: Any) -> Any:
-        """Send ``msg`` and return the answer."""
-        self.send(msg)
-        return self.recv(f"its answer to {msg[0]!r}")
-
-    def stop(self, failed: bool) -> None:
-        """Join the process; at once (kill) when the run failed, else after up to 30 s."""
-        if not failed:
-            self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(5)
-
-
-def await_target(conn: Any, proc: Any, timeout_s: float) -> Any:
-    """The target's first message; :class:`BenchPeerError` if it exits first (with its exit code)
-    or stays silent for ``timeout_s`` seconds."""
-    return Peer("target", conn, proc, timeout_s).recv("its first message (ready)")
-
-
-def _exit_without_teardown(code: int) -> None:
-    """End a child process now: NIXL 1.5.1 crashes (SIGSEGV) in interpreter teardown once an agent
-    has existed in the process, so its processes skip the teardown."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:  # C stdio buffers too (UCX's log file)
-        import ctypes
-
-        ctypes.CDLL(None).fflush(None)
-    except Exception:
-        pass
-    os._exit(code)
-
-
-# -- across network namespaces (--netns on) ---------------------------------------------------------------
-
-#: a process started before the initiator leaves its namespaces: deletes them when its stdin closes
-#: (the run ended, or the initiator died)
-_JANITOR = (
-    "import subprocess, sys\n"
-    "sys.stdin.read()\n"
-    "for ns in sys.argv[1:]:\n"
-    "    subprocess.run(['ip', 'netns', 'del', ns], capture_output=True, check=False)\n"
-)
-
-
-def make_namespaces() -> tuple[list[str], Any]:
-    """Two network namespaces joined by a veth pair (:mod:`mori.core.netns`): their specs
-    ``["ns,dev,ip", "ns,dev,ip"]`` (initiators, target) and the janitor process that deletes them
-    once its stdin closes, even if this process dies."""
-    import subprocess
-
-    from mori.core import netns
-
-    try:
-        nodes = netns.create_pair("bench", 233)
-    except netns.NetnsUnavailable as e:
-        raise SystemExit(f"mori bench io --netns on: {e}") from None
-    try:
-        janitor = subprocess.Popen(
-            [sys.executable, "-c", _JANITOR, *(n.name for n in nodes)], stdin=subprocess.PIPE
-        )
-    except BaseException:
-        netns.remove(nodes)
-        raise
-    return [n.spec() for n in nodes], janitor
-
-
-def enter_namespace(spec: str) -> None:
-    """Enter the network namespace of ``spec`` ("ns,dev,ip", :func:`mori.core.netns.enter`) and
-    point UCX and the engines at its veth end."""
-    from mori.core import netns
-
-    node = netns.Node.from_spec(spec)
-    netns.enter(node)
-    os.environ.update(
-        {
-            "MORI_BENCH_IO_HOST": node.ip,
-            "MORI_NODE_ID": f"bench-{node.name}",
-            "MORI_UCX_OPTIONS": f"tls=tcp;net_devices={node.dev}",
-            "UCX_TLS": "tcp",
-            "UCX_NET_DEVICES": node.dev,
-        }
-    )
-
-
-def veth_bytes(spec: str) -> int:
-    """Bytes sent by this namespace's veth end so far (-1 if unknown)."""
-    from mori.core import netns
-
-    return netns.tx_bytes(netns.Node.from_spec(spec))
-
-
 def _target(conn: Any, nbytes: int, cma: bool, use_nixl: bool, env: dict[str, str], buffers: str) -> None:
     """The target process: owns registered memory (mori and, during NIXL's phases, NIXL), answers
     digests, exits on "stop"."""
@@ -498,7 +281,7 @@ def _target(conn: Any, nbytes: int, cma: bool, use_nixl: bool, env: dict[str, st
         buf.copy_(torch.arange(nbytes, dtype=torch.int64).remainder_(251).to(torch.uint8))
         engine = _make_engine("bench-target", cma, os.environ.get("MORI_BENCH_IO_BACKEND", "tcp"))
         desc = engine.register_torch_tensor(buf)
-        why = _nixl_missing() if use_nixl else "disabled (--nixl off)"
+        why = nixl_missing() if use_nixl else "disabled (--nixl off)"
         agent: Any = None
         conn.send(
             {
@@ -517,9 +300,9 @@ def _target(conn: Any, nbytes: int, cma: bool, use_nixl: bool, env: dict[str, st
                     conn.send("ok")
                 elif msg[0] == "digest":
                     _, off, n = msg
-                    conn.send(_digest(buf[off : off + n].numpy()))
+                    conn.send(digest(buf[off : off + n].numpy()))
                 elif msg[0] == "nixl_up":  # NIXL agents live only while NIXL is measured
-                    agent, why = _make_nixl("bench-target", buf)
+                    agent, why = make_nixl("bench-target", buf)
                     conn.send((agent.get_agent_metadata() if agent is not None else None, why))
                 elif msg[0] == "nixl_down":
                     agent = None
@@ -534,144 +317,7 @@ def _target(conn: Any, nbytes: int, cma: bool, use_nixl: bool, env: dict[str, st
     except BaseException:
         traceback.print_exc()
         code = 1
-    _exit_without_teardown(code)
-
-
-def _nixl_initiator(conn: Any, nbytes: int, env: dict[str, str], progress_thread: bool, buffers: str) -> None:
-    """NIXL's initiator, in a process of its own (NIXL never runs in the ``mori`` command's
-    process): an agent per NIXL phase, prepared transfers, the same stop-and-wait timing."""
-    os.environ.update(env)
-    code = 0
-    try:
-        import torch
-
-        gen = torch.Generator().manual_seed(11)
-        buf = cpu_buffer(nbytes, buffers)
-        buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen))
-        agent: Any = None
-        peer, raddr = "", 0
-
-        def wait(posted: tuple[str, Any]) -> None:
-            state, handle = posted
-            while state == "PROC":
-                state = agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise RuntimeError(f"NIXL transfer failed: state {state}")
-
-        def one(op: str, loff: int, roff: int, n: int) -> None:
-            h = agent.initialize_xfer(
-                op,
-                agent.get_xfer_descs([(buf.data_ptr() + loff, n, 0)], "DRAM"),
-                agent.get_xfer_descs([(raddr + roff, n, 0)], "DRAM"),
-                peer,
-            )
-            wait((agent.transfer(h), h))
-            agent.release_xfer_handle(h)
-
-        conn.send(("ready", huge_fraction(buf)))
-        while conn.poll(TARGET_TIMEOUT_S):
-            msg = conn.recv()
-            if msg[0] == "up":
-                _, meta, raddr = msg
-                agent, why = _make_nixl("bench-initiator", buf, progress_thread)
-                if agent is not None:
-                    peer = agent.add_remote_agent(meta)
-                conn.send(why)
-            elif msg[0] == "write":  # check: our [0, n) to the target's [0, n); our digest of it
-                n = msg[1]
-                one("WRITE", 0, 0, n)
-                conn.send(_digest(buf[:n].numpy()))
-            elif msg[0] == "read_back":  # check: the target's [0, n) into our [n, 2n)
-                n = msg[1]
-                buf[n : 2 * n].zero_()
-                one("READ", n, 0, n)
-                conn.send(bool((buf[n : 2 * n] == buf[:n]).all()))
-            elif msg[0] == "measure":
-                _, pts, iters_arg = msg
-                out = {}
-                for op, block, batch in pts:
-                    idx = list(range(batch))
-                    local = agent.prep_xfer_dlist(
-                        "NIXL_INIT_AGENT", [(buf.data_ptr() + i * block, block, 0) for i in idx], "DRAM"
-                    )
-                    remote = agent.prep_xfer_dlist(peer, [(raddr + i * block, block, 0) for i in idx], "DRAM")
-                    handle = agent.make_prepped_xfer(op.upper(), local, idx, remote, idx)
-
-                    def post(handle: Any = handle, agent: Any = agent) -> tuple[str, Any]:
-                        return agent.transfer(handle), handle
-
-                    iters = iterations(block * batch, iters_arg)
-                    time_transfers(post, wait, max(2, iters // 10))
-                    out[(op, block, batch)] = time_transfers(post, wait, iters)
-                    handle.release()
-                    local.release()
-                    remote.release()
-                conn.send(out)
-            elif msg[0] == "down":
-                agent = None
-                gc.collect()
-                conn.send("ok")
-            elif msg[0] == "stop":
-                break
-        conn.send("bye")
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    _exit_without_teardown(code)
-
-
-class _Nixl:
-    """The NIXL side, driven from the ``mori`` process: its initiator process, and the target's
-    agent (through the target's pipe)."""
-
-    def __init__(
-        self,
-        ctx: Any,
-        target: Peer,
-        nbytes: int,
-        env: dict[str, str],
-        progress_thread: bool,
-        buffers: str,
-    ) -> None:
-        self.target = target
-        conn, child = ctx.Pipe()
-        proc = ctx.Process(target=_nixl_initiator, args=(child, nbytes, env, progress_thread, buffers))
-        proc.start()
-        self.peer = Peer("NIXL initiator", conn, proc, target.timeout_s)
-        self.proc = proc
-        _, self.huge = self.peer.recv("its first message (ready)")
-
-    def _ask(self, *msg: Any) -> Any:
-        return self.peer.ask(*msg)
-
-    def up(self, remote_addr: int) -> str:
-        """Create and connect both agents; ``""`` or why not."""
-        meta, why = self.target.ask("nixl_up")
-        if meta is None:
-            return str(why)
-        why = self._ask("up", meta, remote_addr)
-        if why:
-            self.down()
-        return str(why)
-
-    def verify(self, n: int) -> bool:
-        mine = self._ask("write", n)
-        wrote = self.target.ask("digest", 0, n) == mine
-        return bool(wrote and self._ask("read_back", n))
-
-    def measure(self, pts: Sequence[tuple[str, int, int]], iters: int) -> dict[Any, Any]:
-        out: dict[Any, Any] = self._ask("measure", list(pts), iters)
-        return out
-
-    def down(self) -> None:
-        self._ask("down")
-        self.target.ask("nixl_down")
-
-    def stop(self) -> None:
-        try:
-            self._ask("stop")
-        finally:
-            self.peer.stop(failed=False)
+    exit_without_teardown(code)
 
 
 class _CpuInitiator:
@@ -724,14 +370,14 @@ class _CpuInitiator:
         self.buf[n : 2 * n].zero_()
         st = self.engine.write(self.local, 0, self.remote, 0, n, self.engine.allocate_transfer_uid())
         self.mori_wait(st)
-        wrote = self.conn.ask("digest", 0, n) == _digest(self.buf[:n].numpy())
+        wrote = self.conn.ask("digest", 0, n) == digest(self.buf[:n].numpy())
         st = self.engine.read(self.local, n, self.remote, 0, n, self.engine.allocate_transfer_uid())
         self.mori_wait(st)
         return bool(wrote and bool((self.buf[n : 2 * n] == self.buf[:n]).all()))
 
 
 def _measure_cpu(
-    args: argparse.Namespace, ini: _CpuInitiator, nixl: _Nixl | None, check: int
+    args: argparse.Namespace, ini: _CpuInitiator, nixl: NixlBaseline | None, check: int
 ) -> tuple[list[dict[str, Any]], bool | None, str]:
     """Every point, in phases: all points with mori, then all with NIXL (its agents created for the
     phase and destroyed after it), the order reversed every repetition. Returns the rows, whether
@@ -767,7 +413,8 @@ def _measure_cpu(
                     continue
                 if nixl_verified is None:  # the first NIXL phase checks its bytes first
                     nixl_verified = nixl.verify(check)
-                for p, samples in nixl.measure(pts, args.iters).items():
+                counts = [iterations(block * batch, args.iters) for _, block, batch in pts]
+                for p, samples in nixl.measure(pts, counts).items():
                     reps["nixl"][p].append(samples)
                 nixl.down()
             else:
@@ -890,14 +537,14 @@ def _run_cpu(
     )
     proc.start()
     parent = Peer("target", conn, proc, args.timeout)
-    nixl: _Nixl | None = None
+    nixl: NixlBaseline | None = None
     failed = True
     try:
         hello = parent.recv("its first message (ready)")
         ini = _CpuInitiator(args, parent, hello, nbytes)
         why_not = str(hello["nixl_error"])
         if not why_not:
-            nixl = _Nixl(ctx, parent, nbytes, env, args.nixl_initiator_thread == "on", args.buffers)
+            nixl = NixlBaseline(ctx, parent, nbytes, env, args.nixl_initiator_thread == "on", args.buffers)
         huge = {"target": hello["huge"], "mori initiator": huge_fraction(ini.buf)}
         if nixl is not None:
             huge["nixl initiator"] = nixl.huge
@@ -1014,7 +661,7 @@ def _gpu_target(conn: Any, nbytes: int) -> None:
             elif msg[0] == "digest":
                 _, off, n = msg
                 torch.cuda.synchronize()
-                conn.send(_digest(buf[off : off + n].cpu().numpy()))
+                conn.send(digest(buf[off : off + n].cpu().numpy()))
             elif msg[0] == "stop":
                 break
     finally:
@@ -1058,7 +705,7 @@ def run_gpu(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
         n = min(4 * MiB, nbytes // 2)
         st = engine.write(local, 0, remote, 0, n, engine.allocate_transfer_uid())
         _CpuInitiator.mori_wait(st)
-        wrote = parent.ask("digest", 0, n) == _digest(buf[:n].cpu().numpy())
+        wrote = parent.ask("digest", 0, n) == digest(buf[:n].cpu().numpy())
         st = engine.read(local, n, remote, 0, n, engine.allocate_transfer_uid())
         _CpuInitiator.mori_wait(st)
         torch.cuda.synchronize()
