@@ -179,7 +179,7 @@ def _profile(out_dir: str, rank: int, calls: dict[str, Any], n: int = 5) -> None
 
     import mori.shmem as shmem
 
-    cuda = torch.cuda.is_available() and os.environ.get("MORI_DEVICE_RUNTIME") == "cuda"
+    cuda = torch.cuda.is_available() and os.environ.get("MORI_DEVICE_RUNTIME") != "cpu"
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
