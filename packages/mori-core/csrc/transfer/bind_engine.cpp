@@ -121,7 +121,7 @@ void register_tcp_engine(py::module_& m) {
           py::arg("enable_notification"), py::arg("cma_threads") = 0, py::arg("cma_split_bytes") = 0,
           "Settings of the TCP backend (apply to new connections). cma_threads: threads (the caller "
           "included) that copy one large same-host transfer; 0 = min(4, CPUs); at most 64 are used. "
-          "cma_split_bytes: smallest piece such a transfer is cut into; 0 = 32 KiB where the target's "
+          "cma_split_bytes: smallest piece such a transfer is cut into; 0 = 64 KiB where the target's "
           "bytes lie on 4 KiB pages, 256 KiB on huge pages; values below 4096 count as 4096.")
       .def("register_memory", &Engine::register_memory, py::arg("addr"), py::arg("size"), py::arg("loc"),
            py::arg("device"), py::call_guard<py::gil_scoped_release>(),

@@ -87,14 +87,18 @@ std::shared_ptr<Direct> Engine::open_direct(const DirectGrant& g, std::vector<Fd
 namespace {
 // Smallest piece worth a second thread (TcpConfig::cma_split_bytes, MORI_IO_CMA_SPLIT_BYTES, when
 // set): a transfer is cut only into pieces at least this large, so it is cut from twice this size.
-// Target memory on 4 KiB pages: 32 KiB. There one core copies at ~25 GB/s at best (the kernel pins
+// Target memory on 4 KiB pages: 64 KiB. There one core copies at ~25 GB/s at best (the kernel pins
 // and maps every 4 KiB page of the target on its own), the memcpy ceiling that a single-threaded
-// copier (UCX's CMA) shares: `mori bench io --buffers pages` on this 2-vCPU VM, the same run A/B,
-// MORI_IO_CMA_SPLIT_BYTES 1 MiB (the old default) -> 32 KiB: 128 KiB 8.9 -> 12.4 GB/s, 512 KiB
-// 8.6 -> 12.4, 1 MiB 9.2 -> 12.8, 64 KiB 9.0 -> 9.4 (the machine shared with other jobs; NIXL
-// 8.1-9.3 beside them). On huge pages: 256 KiB (measured here, 2 threads: 512 KiB 21.5 -> 14.6 us,
+// copier (UCX's CMA) shares. `mori bench io --buffers pages` on this 2-vCPU VM, the same runs A/B,
+// MORI_IO_CMA_SPLIT_BYTES 1 MiB (the old default) against a smaller piece: 128 KiB 7.7-8.9 ->
+// 8.6-12.4 GB/s, 512 KiB 7.6-8.6 -> 8.6-12.4, 1 MiB 8.0-9.2 -> 9.0-12.8 (NIXL beside them 7.5-9);
+// but 64 KiB cut in two 32 KiB pieces lost on a quiet machine (7.9 -> 6.5 GB/s: the hand-off costs
+// about what the second half's copy saves), so pieces stay at 64 KiB or more. A C probe here
+// (process_vm_writev into a 4 KiB-page process, one thread against two) found no page-table lock
+// contention that outweighs the second core: 128 KiB 16.0 -> 20.4 GB/s, 512 KiB 9.1 -> 14.3,
+// 1 MiB 9.1 -> 12.7. On huge pages: 256 KiB (measured here, 2 threads: 512 KiB 21.5 -> 14.6 us,
 // 1 MiB 94 -> 24 us, each core's cache then holding its half of both buffers).
-constexpr uint64_t kSplitMinDefault = 32u << 10;
+constexpr uint64_t kSplitMinDefault = 64u << 10;
 constexpr uint64_t kSplitMinHuge = 256u << 10;
 
 uint64_t split_min(bool huge, uint64_t configured) {

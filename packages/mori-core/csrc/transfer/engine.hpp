@@ -197,7 +197,7 @@ struct TcpConfig {
   bool enable_notification = true;
   int cma_threads = 0;  // threads (the caller included) that copy one large direct transfer; 0: auto; at most kMaxCmaThreads
   // Smallest piece of a direct transfer cut over those threads (so cut from twice this size); 0:
-  // auto (32 KiB where the target's bytes lie on 4 KiB pages, 256 KiB on huge pages); at least kSplitMinFloor.
+  // auto (64 KiB where the target's bytes lie on 4 KiB pages, 256 KiB on huge pages); at least kSplitMinFloor.
   uint64_t cma_split_bytes = 0;
 };
 constexpr int kMaxCmaThreads = 64;              // MORI_IO_CMA_THREADS' bound (env.py)

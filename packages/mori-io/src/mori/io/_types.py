@@ -106,7 +106,7 @@ class TcpBackendConfig:
     SO_SNDBUF/SO_RCVBUF, ``0`` keeps the kernel's autotuning. ``enable_cma``: between engines on one
     node, CPU bytes move by cross-memory attach (``process_vm_readv``/``writev``) instead of through
     the socket: the initiator copies itself, on the posting thread (transfers from twice
-    ``MORI_IO_CMA_SPLIT_BYTES`` on, 64 KiB by default on 4 KiB pages, cut over ``MORI_IO_CMA_THREADS``
+    ``MORI_IO_CMA_SPLIT_BYTES`` on, 128 KiB by default on 4 KiB pages, cut over ``MORI_IO_CMA_THREADS``
     threads), after checking every block against the registration table the
     target publishes, so the status is final when ``read``/``write`` returns; where the target
     publishes no table entry (GPU memory, a full table) the target copies after its own bounds

@@ -139,7 +139,7 @@ MORI_IO_CMA_SPLIT_BYTES = EnvVar(
     None,
     "Smallest piece a same-host transfer of the direct attach path is cut into for "
     "MORI_IO_CMA_THREADS threads, so transfers from twice this size are copied in parallel. "
-    "Default: 32K where the target's bytes lie on 4 KiB pages (one core pins and copies those at "
+    "Default: 64K where the target's bytes lie on 4 KiB pages (one core pins and copies those at "
     "about 25 GB/s at best), 256K where they lie on huge pages.",
     "1M",
     _cma_split_bytes,
