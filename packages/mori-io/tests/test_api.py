@@ -249,7 +249,16 @@ def test_status_lifecycle_for_python_backends() -> None:
 
 @pytest.mark.parametrize(
     ("var", "value"),
-    [("MORI_IO_CP_TIMEOUT_MS", "0"), ("MORI_IO_LOG_LEVEL", "loud"), ("MORI_IO_CHUNK_BYTES", "x")],
+    [
+        ("MORI_IO_CP_TIMEOUT_MS", "0"),
+        ("MORI_IO_LOG_LEVEL", "loud"),
+        ("MORI_IO_CHUNK_BYTES", "x"),
+        ("MORI_IO_CMA_THREADS", "0"),
+        ("MORI_IO_CMA_THREADS", "65"),
+        ("MORI_IO_CMA_SPLIT_BYTES", "4095"),
+        ("MORI_IO_CMA_SPLIT_BYTES", "2G"),
+        ("MORI_IO_CMA_SPLIT_BYTES", "big"),
+    ],
 )
 def test_bad_environment_names_the_variable(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
     monkeypatch.setenv(var, value)

@@ -320,3 +320,12 @@ def test_plot_none_draws_no_plot(
     assert bench.run(args) == 0
     assert json.loads((tmp_path / "io.json").read_text())["rows"] == rows
     assert list(tmp_path.rglob("*.png")) == [] and "png" not in capsys.readouterr().out
+
+
+def test_the_record_says_when_an_engine_setting_is_overridden(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record taken with a tuning variable set must not claim the library's defaults."""
+    for name in ("MORI_IO_THP", "MORI_IO_CMA_THREADS", "MORI_IO_CMA_SPLIT_BYTES", "MORI_IO_CHUNK_BYTES"):
+        monkeypatch.delenv(name, raising=False)
+    assert bench._manners() == "at the library's defaults: no opt-in tuning set"
+    monkeypatch.setenv("MORI_IO_CMA_SPLIT_BYTES", "1M")
+    assert bench._manners() == "NOT at the library's defaults: MORI_IO_CMA_SPLIT_BYTES=1M"

@@ -113,13 +113,16 @@ void register_tcp_engine(py::module_& m) {
       .def_property_readonly("port", &Engine::port, "TCP port the engine listens on.")
       .def(
           "configure_tcp",
-          [](Engine& e, int conns, uint64_t chunk, int sockbuf, bool cma, bool notify, int cma_threads) {
-            e.configure_tcp(TcpConfig{conns, chunk, sockbuf, cma, notify, cma_threads});
+          [](Engine& e, int conns, uint64_t chunk, int sockbuf, bool cma, bool notify, int cma_threads,
+             uint64_t cma_split_bytes) {
+            e.configure_tcp(TcpConfig{conns, chunk, sockbuf, cma, notify, cma_threads, cma_split_bytes});
           },
           py::arg("conns_per_peer"), py::arg("chunk_bytes"), py::arg("socket_buffer_bytes"), py::arg("enable_cma"),
-          py::arg("enable_notification"), py::arg("cma_threads") = 0,
+          py::arg("enable_notification"), py::arg("cma_threads") = 0, py::arg("cma_split_bytes") = 0,
           "Settings of the TCP backend (apply to new connections). cma_threads: threads (the caller "
-          "included) that copy one large same-host transfer; 0 = min(4, CPUs).")
+          "included) that copy one large same-host transfer; 0 = min(4, CPUs); at most 64 are used. "
+          "cma_split_bytes: smallest piece such a transfer is cut into; 0 = 64 KiB where the target's "
+          "bytes lie on 4 KiB pages, 256 KiB on huge pages; values below 4096 count as 4096.")
       .def("register_memory", &Engine::register_memory, py::arg("addr"), py::arg("size"), py::arg("loc"),
            py::arg("device"), py::call_guard<py::gil_scoped_release>(),
            "Add a region to the table; returns its (random) id. MoriValueError for a range that wraps around "

@@ -1,6 +1,7 @@
 // CopyPool: the threads that copy pieces of one large direct transfer beside the posting thread.
 #pragma once
 
+#include <pthread.h>
 #include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -36,6 +37,7 @@ namespace mori::transfer {
 // (Manners::move_copy_threads), since it rewrites a thread's affinity.
 constexpr int64_t kPoolSpinUs = 200;  // waking an idle (v)CPU through a futex costs tens of microseconds
 constexpr int64_t kPoolMoveEveryNs = 1000000;
+constexpr const char* kCopyThreadName = "mori-io-copy";  // what /proc/<pid>/task/<tid>/comm shows
 
 class CopyPool {
  public:
@@ -47,6 +49,7 @@ class CopyPool {
       for (auto& w : workers_)
         w->th = std::thread([this, w = w.get(), slice] {
           w->tid.store(pid_t(::syscall(SYS_gettid)), std::memory_order_release);
+          ::pthread_setname_np(::pthread_self(), kCopyThreadName);  // the engine's own thread: named so
           if (slice) request_short_slice();
           loop(*w);
         });

@@ -85,21 +85,24 @@ std::shared_ptr<Direct> Engine::open_direct(const DirectGrant& g, std::vector<Fd
 }
 
 namespace {
-// Smallest piece worth a second thread. Target memory on 4 KiB pages: 1 MiB (smaller pieces lose,
-// the threads' pinning contends on the target's page-table lock: 512 KiB cut in two ran at
-// 9.6-11.8 GB/s against 27.8-28.1 uncut, in a C probe on this 2-vCPU VM). On huge pages: 256 KiB
-// (measured here, 2 threads: 512 KiB 21.5 -> 14.6 us, 1 MiB 94 -> 24 us, each core's cache then
-// holding its half of both buffers).
-constexpr uint64_t kSplitMinDefault = 1u << 20;
+// Smallest piece worth a second thread (TcpConfig::cma_split_bytes, MORI_IO_CMA_SPLIT_BYTES, when
+// set): a transfer is cut only into pieces at least this large, so it is cut from twice this size.
+// Target memory on 4 KiB pages: 64 KiB. There one core copies at ~25 GB/s at best (the kernel pins
+// and maps every 4 KiB page of the target on its own), the memcpy ceiling that a single-threaded
+// copier (UCX's CMA) shares. `mori bench io --buffers pages` on this 2-vCPU VM, the same runs A/B,
+// MORI_IO_CMA_SPLIT_BYTES 1 MiB (the old default) against a smaller piece: 128 KiB 7.7-8.9 ->
+// 8.6-12.4 GB/s, 512 KiB 7.6-8.6 -> 8.6-12.4, 1 MiB 8.0-9.2 -> 9.0-12.8 (NIXL beside them 7.5-9);
+// but 64 KiB cut in two 32 KiB pieces lost on a quiet machine (7.9 -> 6.5 GB/s: the hand-off costs
+// about what the second half's copy saves), so pieces stay at 64 KiB or more. A C probe here
+// (process_vm_writev into a 4 KiB-page process, one thread against two) found no page-table lock
+// contention that outweighs the second core: 128 KiB 16.0 -> 20.4 GB/s, 512 KiB 9.1 -> 14.3,
+// 1 MiB 9.1 -> 12.7. On huge pages: 256 KiB (measured here, 2 threads: 512 KiB 21.5 -> 14.6 us,
+// 1 MiB 94 -> 24 us, each core's cache then holding its half of both buffers).
+constexpr uint64_t kSplitMinDefault = 64u << 10;
 constexpr uint64_t kSplitMinHuge = 256u << 10;
 
-uint64_t split_min(bool huge) {
-  static const uint64_t v = [] {
-    const char* e = std::getenv("MORI_IO_CMA_SPLIT_BYTES");  // undocumented: for tuning
-    uint64_t x = e ? std::strtoull(e, nullptr, 10) : 0;
-    return x >= 4096 ? x : 0;
-  }();
-  return v ? v : huge ? kSplitMinHuge : kSplitMinDefault;
+uint64_t split_min(bool huge, uint64_t configured) {
+  return configured ? std::max<uint64_t>(configured, kSplitMinFloor) : huge ? kSplitMinHuge : kSplitMinDefault;
 }
 
 // The CPU count, at most 4, read once: std::thread::hardware_concurrency() opens and reads
@@ -113,27 +116,29 @@ int auto_copy_threads() {
 // Copies matching iovec lists, cut into pieces of about equal size run in parallel (the calling
 // thread copies the first) when the transfer is large. Returns 0 or the first errno.
 int Engine::copy_parallel(bool pull, pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote,
-                          uint64_t total, bool huge, int threads) {
-  const uint64_t k0 = total / split_min(huge);
+                          uint64_t total, bool huge, int threads, uint64_t split_bytes) {
+  const uint64_t k0 = total / split_min(huge, split_bytes);
   if (k0 <= 1) return cma_copy_in_place(pull, pid, local, remote);
   if (threads <= 0) threads = auto_copy_threads();
+  threads = std::min(threads, kMaxCmaThreads);
   const uint64_t k = std::min<uint64_t>(uint64_t(threads), k0);
   if (k <= 1) return cma_copy_in_place(pull, pid, local, remote);
-  direct_split.fetch_add(1, std::memory_order_relaxed);
-  CopyPool* pool;
+  std::shared_ptr<CopyPool> pool;  // held for this call: a pool replaced meanwhile stays alive until it returns
   {
     std::lock_guard<std::mutex> g(pool_mu_);
+    if (shut_.load()) return cma_copy_in_place(pull, pid, local, remote);  // shut down: no new threads
     if (!pool_ || pool_->workers() < threads - 1) {
       pool_.reset();
       try {
-        pool_ = std::make_unique<CopyPool>(threads - 1, cfg_.manners);
+        pool_ = std::make_shared<CopyPool>(threads - 1, cfg_.manners);
       } catch (const std::system_error&) {  // no threads to be had: copy on this one
         thread_failures.fetch_add(1);
         return cma_copy_in_place(pull, pid, local, remote);
       }
     }
-    pool = pool_.get();
+    pool = pool_;
   }
+  direct_split.fetch_add(1, std::memory_order_relaxed);
   struct Piece {
     std::vector<iovec> l, r;
   };
@@ -223,7 +228,7 @@ void push_record(Direct& d, uint64_t uid, int code, std::shared_ptr<Conn>* bell,
 }  // namespace
 
 bool Engine::direct_post(Direct& d, const std::string& peer_key, uint16_t op, uint64_t remote_id,
-                         const std::vector<Seg>& segs, uint64_t uid, bool notify, int cma_threads,
+                         const std::vector<Seg>& segs, uint64_t uid, bool notify, const TcpConfig& tcp,
                          const StatusPtr& st) {
   if (!d.alive()) {
     d.ok = false;
@@ -278,7 +283,7 @@ bool Engine::direct_post(Direct& d, const std::string& peer_key, uint16_t op, ui
       }
       // Pieces on huge pages when at most an eighth of the bytes lie on the region's 4 KiB head or tail.
       const bool huge = (total - on_huge) * 8 <= total;
-      int err = copy_parallel(op == kRead, d.pid, mine, theirs, total, huge, cma_threads);
+      int err = copy_parallel(op == kRead, d.pid, mine, theirs, total, huge, tcp.cma_threads, tcp.cma_split_bytes);
       if (mine.capacity() > 4096) {  // a huge batch does not keep its lists for ever
         std::vector<iovec>().swap(mine);
         std::vector<iovec>().swap(theirs);

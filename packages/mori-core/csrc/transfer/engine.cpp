@@ -75,6 +75,13 @@ void Engine::shutdown() {
       if (s.s->fd) ::shutdown(s.s->fd.get(), SHUT_RDWR);
   }
   for (auto& s : servers) s.th.join();
+  // The copy threads end with the engine's other threads: joined here once the last post holding
+  // the pool returns (a post still copying keeps it, and the pool's destructor joins then).
+  std::shared_ptr<CopyPool> pool;
+  {
+    std::lock_guard<std::mutex> g(pool_mu_);
+    pool.swap(pool_);
+  }
 }
 
 void Engine::configure_tcp(const TcpConfig& c) {

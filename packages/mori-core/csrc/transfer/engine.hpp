@@ -31,7 +31,8 @@
 // with process_vm_readv/writev, checking every block against the entry the target wrote, with no
 // socket round trip: the transfer completes inside post() (its status is already Succeeded, or
 // Failed, when post returns). Large transfers are cut into pieces copied in parallel by a small
-// pool (TcpConfig::cma_threads threads in all, MORI_IO_CMA_THREADS). The inbound status reaches the
+// pool (TcpConfig::cma_threads threads in all, MORI_IO_CMA_THREADS; pieces of at least
+// TcpConfig::cma_split_bytes, MORI_IO_CMA_SPLIT_BYTES). The inbound status reaches the
 // target through the slot's ring. deregister_memory on the target retires the entry and waits for
 // copies in flight (epoch and busy counters in the slot), so no byte is touched after it returns.
 // Regions that are not in the table (GPU memory, a full table) and every refusal (no grant, the
@@ -194,8 +195,13 @@ struct TcpConfig {
   int socket_buffer_bytes = 0;  // 0: kernel autotuning
   bool enable_cma = true;
   bool enable_notification = true;
-  int cma_threads = 0;  // threads (the caller included) that copy one large direct transfer; 0: auto
+  int cma_threads = 0;  // threads (the caller included) that copy one large direct transfer; 0: auto; at most kMaxCmaThreads
+  // Smallest piece of a direct transfer cut over those threads (so cut from twice this size); 0:
+  // auto (64 KiB where the target's bytes lie on 4 KiB pages, 256 KiB on huge pages); at least kSplitMinFloor.
+  uint64_t cma_split_bytes = 0;
 };
+constexpr int kMaxCmaThreads = 64;              // MORI_IO_CMA_THREADS' bound (env.py)
+constexpr uint64_t kSplitMinFloor = 4096;       // MORI_IO_CMA_SPLIT_BYTES' lower bound (env.py)
 
 // Bounds of what peers may hold on the target side (the defaults are the documented ones, env.py).
 struct ServerLimits {
@@ -380,11 +386,11 @@ class Engine {
   std::string peer_conns(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out, std::shared_ptr<Direct>* direct);
   // Direct path, initiator: true if the transfer was handled (its status completed).
   bool direct_post(Direct& d, const std::string& peer_key, uint16_t op, uint64_t remote_id, const std::vector<Seg>& segs,
-                   uint64_t uid, bool notify, int cma_threads, const StatusPtr& st);
+                   uint64_t uid, bool notify, const TcpConfig& tcp, const StatusPtr& st);
   // `huge`: the target's range is (mostly) on huge pages (TableEntry::huge_lo/hi), which allows smaller pieces.
-  // `threads`: TcpConfig::cma_threads (0: auto).
+  // `threads`, `split_bytes`: TcpConfig::cma_threads, cma_split_bytes (0: auto).
   int copy_parallel(bool pull, pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t total,
-                    bool huge, int threads);
+                    bool huge, int threads, uint64_t split_bytes);
 
   // -- direct path, target side: the table and its slots (table.cpp) --
   void create_table();
@@ -411,7 +417,7 @@ class Engine {
   std::vector<SlotInfo> slots_;
   std::mutex dereg_mu_;
   std::mutex pool_mu_;
-  std::unique_ptr<CopyPool> pool_;
+  std::shared_ptr<CopyPool> pool_;  // shared: a post holds it while its pieces are copied
 
   EngineConfig cfg_;
   std::string instance_;  // this engine's random instance id (16 bytes)

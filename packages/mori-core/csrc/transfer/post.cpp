@@ -113,7 +113,7 @@ StatusPtr Engine::post(uint16_t op, uint64_t local_id, const std::string& peer_k
   }
   // Same-host CPU memory: the initiator copies itself, checked against the target's own table.
   if ((flags & kFlagCma) && direct && direct->ok.load(std::memory_order_relaxed) &&
-      direct_post(*direct, peer_key, op, remote_id, segs, uid, tcp.enable_notification, tcp.cma_threads, st))
+      direct_post(*direct, peer_key, op, remote_id, segs, uid, tcp.enable_notification, tcp, st))
     return st;
   err = peer_conns(peer, &conns, &direct);
   if (!err.empty()) {

@@ -198,6 +198,7 @@ class TcpEngine:
         enable_cma: bool,
         enable_notification: bool,
         cma_threads: int = 0,
+        cma_split_bytes: int = 0,
     ) -> None: ...
     def register_memory(self, addr: int, size: int, loc: int, device: int) -> int:
         """Add a region to the table; returns its (random) id."""

@@ -105,8 +105,9 @@ class TcpBackendConfig:
     striped over them. ``chunk_bytes``: largest piece sent as one message (bytes). ``socket_buffer_bytes``:
     SO_SNDBUF/SO_RCVBUF, ``0`` keeps the kernel's autotuning. ``enable_cma``: between engines on one
     node, CPU bytes move by cross-memory attach (``process_vm_readv``/``writev``) instead of through
-    the socket: the initiator copies itself, on the posting thread (large transfers over
-    ``MORI_IO_CMA_THREADS`` threads), after checking every block against the registration table the
+    the socket: the initiator copies itself, on the posting thread (transfers from twice
+    ``MORI_IO_CMA_SPLIT_BYTES`` on, 128 KiB by default on 4 KiB pages, cut over ``MORI_IO_CMA_THREADS``
+    threads), after checking every block against the registration table the
     target publishes, so the status is final when ``read``/``write`` returns; where the target
     publishes no table entry (GPU memory, a full table) the target copies after its own bounds
     check, and where the OS refuses attach the bytes go through the socket. ``enable_notification``:

@@ -564,7 +564,7 @@ def _run_cpu(
             + ", share on huge pages now: "
             + ", ".join(f"{k} {v:.0%}" for k, v in huge.items())
         )
-        print("engines at the library's defaults: " + _manners())
+        print("engines " + _manners())
         print(
             "phases: every point with mori, then every point with NIXL (its agents alive only then), "
             "order reversed each rep"
@@ -624,16 +624,25 @@ def _run_cpu(
 
 
 def _manners() -> str:
-    """Which of mori-io's opt-in tunings of the host process are on (all off: the defaults)."""
+    """Whether the engines run at the library's defaults: which of mori-io's opt-in tunings of the
+    host process, and which overrides of the TCP backend's settings, are set."""
     from mori.io import env
 
-    on = [
-        v.name for v in (env.MORI_IO_THP, env.MORI_IO_SHORT_SLICE, env.MORI_IO_MOVE_COPY_THREADS) if v.raw()
-    ]
+    tuned = (
+        env.MORI_IO_THP,
+        env.MORI_IO_SHORT_SLICE,
+        env.MORI_IO_MOVE_COPY_THREADS,
+        env.MORI_IO_CMA_THREADS,
+        env.MORI_IO_CMA_SPLIT_BYTES,
+        env.MORI_IO_CHUNK_BYTES,
+        env.MORI_IO_TCP_CONNS_PER_PEER,
+        env.MORI_IO_TCP_CMA,
+    )
+    on = [v.name for v in tuned if v.raw()]
     return (
-        "opt-in tuning set: " + ", ".join(f"{n}={os.environ[n]}" for n in on)
+        "NOT at the library's defaults: " + ", ".join(f"{n}={os.environ[n]}" for n in on)
         if on
-        else "no opt-in tuning set"
+        else "at the library's defaults: no opt-in tuning set"
     )
 
 

@@ -270,6 +270,7 @@ class IOEngine:
                 _override(env.MORI_IO_TCP_CMA.get(), config.enable_cma),
                 _override(env.MORI_IO_ENABLE_NOTIFICATION.get(), config.enable_notification),
                 env.MORI_IO_CMA_THREADS.get() or 0,
+                env.MORI_IO_CMA_SPLIT_BYTES.get() or 0,
             )
             backend: Backend = _TcpBackend(self._native)
         else:

@@ -26,6 +26,26 @@ def _positive_int(text: str) -> int:
     return value
 
 
+#: MORI_IO_CMA_THREADS' largest value (the native engine's kMaxCmaThreads)
+MAX_CMA_THREADS = 64
+#: MORI_IO_CMA_SPLIT_BYTES' bounds (the native engine's kSplitMinFloor; 1 GiB)
+MIN_CMA_SPLIT_BYTES, MAX_CMA_SPLIT_BYTES = 4096, 1 << 30
+
+
+def _cma_threads(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= MAX_CMA_THREADS:
+        raise ValueError(f"must be a whole number from 1 to {MAX_CMA_THREADS}")
+    return value
+
+
+def _cma_split_bytes(text: str) -> int:
+    value = parse_size(text)
+    if not MIN_CMA_SPLIT_BYTES <= value <= MAX_CMA_SPLIT_BYTES:
+        raise ValueError("must be a byte count from 4096 (4K) to 1G")
+    return value
+
+
 MORI_IO_CP_TIMEOUT_MS = EnvVar(
     "MORI_IO_CP_TIMEOUT_MS",
     "30000",
@@ -106,11 +126,24 @@ MORI_IO_CMA_THREADS = EnvVar(
     None,
     "Threads (the posting one included) that copy one large same-host transfer of the TCP "
     "backend's direct attach path (process_vm_readv/writev by the initiator): a transfer is cut "
-    "into up to that many pieces of at least 1 MiB, copied in parallel. Default: the number of "
-    "CPUs, at most 4; 1 copies on the posting thread only.",
+    "into up to that many pieces of at least MORI_IO_CMA_SPLIT_BYTES, copied in parallel. "
+    "Default: the number of CPUs, at most 4; 1 copies on the posting thread only. The extra "
+    "threads are the engine's own (started on the first transfer that is cut, joined when the "
+    "engine closes).",
     "2",
-    _positive_int,
-    "a whole number > 0",
+    _cma_threads,
+    f"a whole number from 1 to {MAX_CMA_THREADS}",
+)
+MORI_IO_CMA_SPLIT_BYTES = EnvVar(
+    "MORI_IO_CMA_SPLIT_BYTES",
+    None,
+    "Smallest piece a same-host transfer of the direct attach path is cut into for "
+    "MORI_IO_CMA_THREADS threads, so transfers from twice this size are copied in parallel. "
+    "Default: 64K where the target's bytes lie on 4 KiB pages (one core pins and copies those at "
+    "about 25 GB/s at best), 256K where they lie on huge pages.",
+    "1M",
+    _cma_split_bytes,
+    "a byte count from 4096 (4K) to 1G",
 )
 
 
@@ -251,6 +284,7 @@ ALL: tuple[EnvVar[object], ...] = (
     MORI_IO_TCP_CONNS_PER_PEER,
     MORI_IO_TCP_CMA,
     MORI_IO_CMA_THREADS,
+    MORI_IO_CMA_SPLIT_BYTES,
     MORI_IO_RDMA_TRANSPORT,
     MORI_IO_THP,
     MORI_IO_THP_COLLAPSE_BYTES,
