@@ -31,11 +31,20 @@ Traffic to other nodes is counted (:meth:`InterNodeHost.traffic`, exposed as
 :meth:`mori.ep.EpDispatchCombineOp.inter_node_traffic`): rows and bytes of the streams per phase,
 and every message (put, signal, atomic) to another node, control included.
 
+Where it runs. This module is the host path (the ``cpu`` runtime, ``impl="auto"`` or ``"host"``).
+On a GPU heap, and with ``impl="triton"`` (the interpreter on CPU heaps), the same protocol runs
+on Triton kernels (:mod:`mori.ep.internode_kernels`, launched by
+:class:`mori.ep.internode_path.InterNodeKernels`): they use this class's stream buffers and
+signal words, the same wire rows and the same fp32 summation order (the results are the same
+bits), and across nodes only puts and ``SIGNAL_SET`` of epoch-tagged words (plus "inbound buffer
+free" words of their own, also set by ``SIGNAL_SET``), which a GPU heap on ``ucx`` without RDMA allows. The kernels do not do combine wire
+quantisation or routing replay yet. Nothing has run on a real NIC: emulated nodes on one machine
+only (``tcp``, ``ucx``; the kernels under the interpreter with ``MORI_SHMEM_PROXY_ATOMICS=rma``).
+
 The original's RDMA knobs are accepted, validated and recorded, and change nothing here: each
-stream is one host transport operation, so there are no GPU blocks to split (``rdma_block_num``)
-and no queue pairs to rotate (``num_qp_per_pe``, ``MORI_NUM_QP_PER_PE``); they will shape the GPU
-path, whose kernels (device-initiated traffic through the SHMEM proxy) are not written yet (issue
-19). On a GPU heap these kernel types raise :class:`~mori.core.errors.MoriBackendError` for that reason.
+stream is one host transport operation (one ``put_signal_block`` from one program in the
+kernels), so there are no GPU blocks to split (``rdma_block_num``) and no queue pairs to rotate
+(``num_qp_per_pe``, ``MORI_NUM_QP_PER_PE``).
 
 Every peer is untrusted: row counts, source token ids and replayed layouts read from a stream are
 checked before use; a wait that times out names the rank that did not send.
