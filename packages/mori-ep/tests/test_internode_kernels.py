@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+import mori.shmem as shmem
 from mori.core.errors import MoriValueError
 from mori.ep import EpDispatchCombineKernelType, EpDispatchCombineOp
 from mori.testing import shmem_ranks
@@ -50,6 +51,16 @@ def _ops(rank: int, world: int, g: int, kt: KT, **kw: Any) -> tuple[EpDispatchCo
     if kern.buffers.device.type == "cpu":
         host = EpDispatchCombineOp(td._config(rank, world, **cfg), impl="host")
     assert kern._ikern is not None and kern._kern is None, "the inter-node kernels run this op"
+    if world > g:  # the proxy runs with the GPU's restriction: remote read-modify-writes refused
+        import ctypes
+
+        from mori.shmem import layout
+        from mori.shmem.context import current
+
+        net = current("test").network
+        assert net is not None
+        flag = ctypes.c_int64.from_address(net.ring.host_addr + layout.RING_RMA_SIGNALS).value
+        assert flag == 1, "the proxy is not in rma_signals mode"
     return kern, host  # type: ignore[return-value]
 
 
@@ -118,6 +129,7 @@ def _scenarios(rank: int, world: int, g: int, kt: KT, rounds: int) -> list[int]:
         cases.pop(1)
     totals = [_round(kern, host, 10 * i + int(kt), *cases[i % len(cases)]) for i in range(rounds)]
     totals.append(_round(kern, host, 77, "random", torch.bfloat16, weights=False, scales=False))
+    shmem.shmem_quiet()  # a request the proxy refused (or failed) would raise here
     return totals
 
 
@@ -229,3 +241,12 @@ def test_two_nodes_of_one_rank_on_one_gpu(kt: KT) -> None:
         timeout=TIMEOUT,
     )
     assert all(len(t) == 4 for t in got)
+
+
+def test_internode_path_reads_no_private_attribute_of_the_op() -> None:
+    from pathlib import Path
+
+    import mori.ep.internode_path as internode_path
+
+    tp = importlib.import_module(f"{_pkg}.test_kernel_path_privacy" if _pkg else "test_kernel_path_privacy")
+    assert tp.private_op_accesses(Path(internode_path.__file__).read_text()) == []

@@ -275,7 +275,7 @@ class InterNodeHost:
 
     # -- dispatch --------------------------------------------------------------------------------
 
-    def _dispatch_layout(self, nb: int, has_w: bool, sb: int) -> tuple[int, int, int, int, int]:
+    def dispatch_layout(self, nb: int, has_w: bool, sb: int) -> tuple[int, int, int, int, int]:
         """Byte offsets of a dispatch wire row: (weights, scales, ids, source token, row stride)."""
         k = self.op.buffers.k
         off_w = _pad8(nb)
@@ -308,7 +308,7 @@ class InterNodeHost:
         m, k, me = op.buffers.m, op.buffers.k, op.rank
         nb = h * input.element_size()
         sb = 0 if scales is None else scales.shape[1] * scales.element_size()
-        off_w, off_s, off_i, off_t, stride = self._dispatch_layout(nb, weights is not None, sb)
+        off_w, off_s, off_i, off_t, stride = self.dispatch_layout(nb, weights is not None, sb)
         inp_b = input.contiguous().view(torch.uint8)
         sc_b = None if scales is None else scales.contiguous().view(torch.uint8)
         for si, (to, members) in enumerate(self.out_streams):
@@ -418,7 +418,7 @@ class InterNodeHost:
 
     # -- combine ---------------------------------------------------------------------------------
 
-    def _combine_layout(self, nbw: int, has_w: bool, nblk: int) -> tuple[int, int, int]:
+    def combine_layout(self, nbw: int, has_w: bool, nblk: int) -> tuple[int, int, int]:
         """Byte offsets of a combine wire row: (weights, block scales, row stride)."""
         off_w = _pad8(nbw)
         off_s = off_w + (_pad8(4 * self.op.buffers.k) if has_w else 0)
@@ -488,7 +488,7 @@ class InterNodeHost:
         quant = op.config.quant_type
         nbw = {"none": nb, "fp4_blockwise": h // 2}.get(quant, h)
         nblk = h // op.buffers.quant_block if op.buffers.quant_block else 0
-        off_w, off_s, stride = self._combine_layout(
+        off_w, off_s, stride = self.combine_layout(
             nbw, weights is not None, nblk if quant.endswith("blockwise") else 0
         )
         k = op.buffers.k
@@ -557,7 +557,7 @@ class InterNodeHost:
         )
         nblk = h // op.buffers.quant_block if op.buffers.quant_block else 0
         blk = nblk if quant.endswith("blockwise") else 0
-        off_w, off_s, stride = self._combine_layout(nbw, acc_w is not None, blk)
+        off_w, off_s, stride = self.combine_layout(nbw, acc_w is not None, blk)
         n = handle.num_tokens
         for to, members in self.out_streams:
             toks = (handle.dest_slot[members, :n] >= 0).any(0).nonzero().flatten()

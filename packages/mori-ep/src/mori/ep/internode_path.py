@@ -107,7 +107,7 @@ class InterNodeKernels:
             sb, sc_stride = sc.shape[1], sc.stride(0)
         else:
             sc, sb, sc_stride = b.recv_scales, 0, 0
-        off_w, off_s, off_i, off_t, stride = inter._dispatch_layout(nb, weights is not None, sb)
+        off_w, off_s, off_i, off_t, stride = inter.dispatch_layout(nb, weights is not None, sb)
         wts = weights.contiguous() if weights is not None else b.recv_w  # unused when HAS_W=0
         sizes = (nb, b.row_bytes, sb, b.scale_bytes, b.m, b.r, b.e_local, off_w, off_s, off_i, off_t, stride)
         block = min(1024, _pow2_at_least(max(nb, sb, 16)))
@@ -235,7 +235,7 @@ class InterNodeKernels:
         stage = b.stage_tok.view(w * m, b.stage_bytes).view(dt)
         cst = inter.cst.view(-1, inter.cst.shape[-1]).view(dt)
         nbw = h * es
-        off_w, _off_s, cstride = inter._combine_layout(nbw, weights is not None, 0)
+        off_w, _off_s, cstride = inter.combine_layout(nbw, weights is not None, 0)
         xs = inter.xin.stride(0)
         common = {
             **self._common(),
