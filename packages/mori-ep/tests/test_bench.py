@@ -283,7 +283,7 @@ def test_cpu_bench_on_emulated_nodes_counts_inter_node_rows(
         ),
         (
             ["--ranks", "4", "--nodes", "2", "--device", "cuda"],
-            "1 with --device cuda (the inter-node Triton kernels are not written yet",
+            "1 with --device cuda (the bench runs the inter-node kernel types on the cpu runtime only",
         ),
         (["--hidden", "200", "--dtype", "fp8"], "--hidden=200 is not allowed; expected a multiple of 128"),
         (

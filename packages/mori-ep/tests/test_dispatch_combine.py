@@ -371,12 +371,15 @@ def _errors(rank: int, world: int) -> str:
     with pytest.raises(MoriValueError, match=r"config\.rank"):
         EpDispatchCombineOp(_config((rank + 1) % world, world))
     for kt in (KT.InterNode, KT.InterNodeV1, KT.InterNodeV1LL):
-        # on one node (gpu_per_node 8 >= world) the inter-node types run; the Triton kernels refuse
-        # them (their device-initiated legs have no Triton kernels yet)
+        # on one node (gpu_per_node 8 >= world) the inter-node types run; their Triton kernels
+        # (mori.ep.internode_kernels) have no combine wire quantisation yet
         with pytest.raises(
-            MoriBackendError, match=r"impl='triton'.*Triton kernels .* not written yet \(issue 19\)"
+            MoriBackendError, match=r"quant_type='fp8_direct_cast' on the kernel path: .*quant_type='none'"
         ):
-            EpDispatchCombineOp(_config(rank, world, kernel_type=kt), impl="triton")
+            EpDispatchCombineOp(
+                _config(rank, world, kernel_type=kt, quant_type="fp8_direct_cast", use_external_inp_buf=True),
+                impl="triton",
+            )
     with pytest.raises(MoriValueError, match=r"impl='cuda' .*'auto', 'host', 'triton'"):
         EpDispatchCombineOp(_config(rank, world), impl="cuda")
     op = EpDispatchCombineOp(_config(rank, world))

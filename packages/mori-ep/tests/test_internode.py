@@ -218,9 +218,19 @@ def _config_errors(rank: int, world: int, g: int) -> str:
         EpDispatchCombineOp(cfg(rank, world, kernel_type=KT.InterNodeV1, gpu_per_node=3))
     with pytest.raises(MoriValueError, match=r"config\.rdma_block_num=80 .*fewer than block_num = 80"):
         EpDispatchCombineOp(cfg(rank, world, kernel_type=KT.InterNodeV1, gpu_per_node=2, rdma_block_num=80))
-    # their Triton kernels (so GPUs) do not exist yet
-    with pytest.raises(MoriBackendError, match=r"Triton kernels .* are not written yet \(issue 19\)"):
-        EpDispatchCombineOp(cfg(rank, world, kernel_type=KT.InterNodeV1, gpu_per_node=2), impl="triton")
+    # their Triton kernels (test_internode_kernels.py) have no combine wire quantisation yet
+    with pytest.raises(MoriBackendError, match=r"quant_type='fp8_direct_cast' on the kernel path"):
+        EpDispatchCombineOp(
+            cfg(
+                rank,
+                world,
+                kernel_type=KT.InterNodeV1,
+                gpu_per_node=2,
+                quant_type="fp8_direct_cast",
+                use_external_inp_buf=True,
+            ),
+            impl="triton",
+        )
     # the original's RDMA knobs: accepted, validated, recorded
     saved = os.environ.get("MORI_NUM_QP_PER_PE")
     try:
@@ -282,10 +292,10 @@ def test_config_nodes_smaller_than_the_machine() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_heap_refuses_inter_node_types() -> None:
+def test_gpu_heap_builds_inter_node_types_on_their_kernels() -> None:
     runtime = machine_gpu_runtime()  # skips without a GPU, fails without a plugin serving it
     env = {"MORI_DEVICE_RUNTIME": runtime, "MORI_SHMEM_HEAP_SIZE": "256M"}
-    got = shmem_ranks(_gpu_refuses, 2, env=env, timeout=TIMEOUT, before_init=_first_gpu)
+    got = shmem_ranks(_gpu_builds, 2, env=env, timeout=TIMEOUT, before_init=_first_gpu)
     assert got == ["ok", "ok"]
 
 
@@ -293,8 +303,20 @@ def _first_gpu(rank: int, world: int) -> None:
     torch.cuda.set_device(rank % torch.cuda.device_count())
 
 
-def _gpu_refuses(rank: int, world: int) -> str:
+def _gpu_builds(rank: int, world: int) -> str:
+    # one node here; the runs across nodes are in test_internode_kernels.py
     for kt in (KT.InterNode, KT.InterNodeV1, KT.InterNodeV1LL):
-        with pytest.raises(MoriBackendError, match=r"cuda heap: their Triton kernels .* are not written yet"):
-            EpDispatchCombineOp(td._config(rank, world, kernel_type=kt, gpu_per_node=1))
+        op = EpDispatchCombineOp(td._config(rank, world, kernel_type=kt, gpu_per_node=1))
+        assert op._ikern is not None and op._kern is None, "a GPU heap runs the inter-node kernels"
+        with pytest.raises(MoriBackendError, match=r"quant_type='fp8_direct_cast' on the kernel path"):
+            EpDispatchCombineOp(
+                td._config(
+                    rank,
+                    world,
+                    kernel_type=kt,
+                    gpu_per_node=1,
+                    quant_type="fp8_direct_cast",
+                    use_external_inp_buf=True,
+                )
+            )
     return "ok"

@@ -221,7 +221,7 @@ def _check_args(args: argparse.Namespace) -> None:
             SUITE,
             "--nodes",
             args.nodes,
-            "1 with --device cuda (the inter-node Triton kernels are not written yet, issue 19)",
+            "1 with --device cuda (the bench runs the inter-node kernel types on the cpu runtime only)",
         )
     positive("--hidden", args.hidden)
     positive("--experts", args.experts)

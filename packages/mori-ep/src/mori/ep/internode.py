@@ -31,11 +31,20 @@ Traffic to other nodes is counted (:meth:`InterNodeHost.traffic`, exposed as
 :meth:`mori.ep.EpDispatchCombineOp.inter_node_traffic`): rows and bytes of the streams per phase,
 and every message (put, signal, atomic) to another node, control included.
 
+Where it runs. This module is the host path (the ``cpu`` runtime, ``impl="auto"`` or ``"host"``).
+On a GPU heap, and with ``impl="triton"`` (the interpreter on CPU heaps), the same protocol runs
+on Triton kernels (:mod:`mori.ep.internode_kernels`, launched by
+:class:`mori.ep.internode_path.InterNodeKernels`): they use this class's stream buffers and
+signal words, the same wire rows and the same fp32 summation order (the results are the same
+bits), and across nodes only puts and ``SIGNAL_SET`` of epoch-tagged words (plus "inbound buffer
+free" words of their own, also set by ``SIGNAL_SET``), which a GPU heap on ``ucx`` without RDMA allows. The kernels do not do combine wire
+quantisation or routing replay yet. Nothing has run on a real NIC: emulated nodes on one machine
+only (``tcp``, ``ucx``; the kernels under the interpreter with ``MORI_SHMEM_PROXY_ATOMICS=rma``).
+
 The original's RDMA knobs are accepted, validated and recorded, and change nothing here: each
-stream is one host transport operation, so there are no GPU blocks to split (``rdma_block_num``)
-and no queue pairs to rotate (``num_qp_per_pe``, ``MORI_NUM_QP_PER_PE``); they will shape the GPU
-path, whose kernels (device-initiated traffic through the SHMEM proxy) are not written yet (issue
-19). On a GPU heap these kernel types raise :class:`~mori.core.errors.MoriBackendError` for that reason.
+stream is one host transport operation (one ``put_signal_block`` from one program in the
+kernels), so there are no GPU blocks to split (``rdma_block_num``) and no queue pairs to rotate
+(``num_qp_per_pe``, ``MORI_NUM_QP_PER_PE``).
 
 Every peer is untrusted: row counts, source token ids and replayed layouts read from a stream are
 checked before use; a wait that times out names the rank that did not send.
@@ -266,7 +275,7 @@ class InterNodeHost:
 
     # -- dispatch --------------------------------------------------------------------------------
 
-    def _dispatch_layout(self, nb: int, has_w: bool, sb: int) -> tuple[int, int, int, int, int]:
+    def dispatch_layout(self, nb: int, has_w: bool, sb: int) -> tuple[int, int, int, int, int]:
         """Byte offsets of a dispatch wire row: (weights, scales, ids, source token, row stride)."""
         k = self.op.buffers.k
         off_w = _pad8(nb)
@@ -299,7 +308,7 @@ class InterNodeHost:
         m, k, me = op.buffers.m, op.buffers.k, op.rank
         nb = h * input.element_size()
         sb = 0 if scales is None else scales.shape[1] * scales.element_size()
-        off_w, off_s, off_i, off_t, stride = self._dispatch_layout(nb, weights is not None, sb)
+        off_w, off_s, off_i, off_t, stride = self.dispatch_layout(nb, weights is not None, sb)
         inp_b = input.contiguous().view(torch.uint8)
         sc_b = None if scales is None else scales.contiguous().view(torch.uint8)
         for si, (to, members) in enumerate(self.out_streams):
@@ -409,7 +418,7 @@ class InterNodeHost:
 
     # -- combine ---------------------------------------------------------------------------------
 
-    def _combine_layout(self, nbw: int, has_w: bool, nblk: int) -> tuple[int, int, int]:
+    def combine_layout(self, nbw: int, has_w: bool, nblk: int) -> tuple[int, int, int]:
         """Byte offsets of a combine wire row: (weights, block scales, row stride)."""
         off_w = _pad8(nbw)
         off_s = off_w + (_pad8(4 * self.op.buffers.k) if has_w else 0)
@@ -479,7 +488,7 @@ class InterNodeHost:
         quant = op.config.quant_type
         nbw = {"none": nb, "fp4_blockwise": h // 2}.get(quant, h)
         nblk = h // op.buffers.quant_block if op.buffers.quant_block else 0
-        off_w, off_s, stride = self._combine_layout(
+        off_w, off_s, stride = self.combine_layout(
             nbw, weights is not None, nblk if quant.endswith("blockwise") else 0
         )
         k = op.buffers.k
@@ -548,7 +557,7 @@ class InterNodeHost:
         )
         nblk = h // op.buffers.quant_block if op.buffers.quant_block else 0
         blk = nblk if quant.endswith("blockwise") else 0
-        off_w, off_s, stride = self._combine_layout(nbw, acc_w is not None, blk)
+        off_w, off_s, stride = self.combine_layout(nbw, acc_w is not None, blk)
         n = handle.num_tokens
         for to, members in self.out_streams:
             toks = (handle.dest_slot[members, :n] >= 0).any(0).nonzero().flatten()

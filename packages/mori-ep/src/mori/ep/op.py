@@ -58,6 +58,7 @@ from mori.core.errors import (
 from mori.ep import agreement, fp4, internode, tuning
 from mori.ep.buffers import EpBuffers
 from mori.ep.config import QUANT_TYPES, EpDispatchCombineConfig, EpDispatchCombineKernelType
+from mori.ep.internode_path import InterNodeKernels
 from mori.ep.kernel_path import KernelPath, kernels_requested
 
 __all__ = ["EpDispatchCombineOp", "EpDispatchRoutingHandle"]
@@ -75,10 +76,9 @@ IMPLS = ("auto", "host", "triton")
 _ROUTING_KERNELS = (KT.IntraNode, KT.InterNodeV1)
 #: the error for inter-node kernel types where tokens would have to leave a GPU by themselves
 _NO_INTERNODE_KERNELS = (
-    "their Triton kernels (device-initiated inter-node traffic through the SHMEM proxy) are not written yet "
-    "(issue 19); "
-    "on the cpu runtime (MORI_DEVICE_RUNTIME=cpu) the host path runs these kernel types with impl='auto' "
-    "or impl='host'"
+    "the inter-node Triton kernels (mori.ep.internode_kernels) implement quant_type='none' and no "
+    "routing replay yet (issue 19); on the cpu runtime (MORI_DEVICE_RUNTIME=cpu) the host path runs "
+    "them with impl='auto' or impl='host'"
 )
 
 
@@ -319,9 +319,10 @@ class EpDispatchCombineOp:
     (``dispatch``/``dispatch_send`` only send; ``dispatch_recv`` waits and finalises; likewise
     combine), on the ranks of one node; ``InterNode``, ``InterNodeV1`` and ``InterNodeV1LL``
     across nodes (``config.gpu_per_node`` ranks each) on the cpu runtime's host path, the legs to
-    other nodes through the SHMEM network transport (:mod:`mori.ep.internode`). On a GPU heap the
-    inter-node types raise :class:`~mori.core.errors.MoriBackendError`: their Triton kernels
-    (device-initiated traffic through the SHMEM proxy) are not written yet (issue 19).
+    other nodes through the SHMEM network transport (:mod:`mori.ep.internode`). On a GPU heap (and
+    with ``impl="triton"``) they run on their Triton kernels (:mod:`mori.ep.internode_kernels`:
+    device-initiated streams through the SHMEM proxy), without combine wire quantisation or
+    routing replay yet (:class:`~mori.core.errors.MoriBackendError`).
     """
 
     def __init__(self, config: EpDispatchCombineConfig, *, impl: str = "auto") -> None:
@@ -341,11 +342,6 @@ class EpDispatchCombineOp:
                 f"{', '.join(k.name for k in _AVAILABLE)}"
             )
         inter = config.kernel_type in _INTER_NODE
-        if inter and impl == "triton":
-            raise MoriBackendError(
-                f"{func}: kernel_type {config.kernel_type.name} with impl='triton': the Triton kernels "
-                f"implement the single-node kernel types only; {_NO_INTERNODE_KERNELS}"
-            )
         if inter:
             internode.check_config(func, config)
         if config.quant_type not in COMBINE_QUANT_TYPES:
@@ -380,10 +376,10 @@ class EpDispatchCombineOp:
         ]
         far = [p for p in range(npes) if self._p_agree[p] is None]
         problem: Exception | None = None
-        if inter and self._agree.device.type != "cpu":
+        if inter and kernels_requested(self._agree.device, impl) and config.quant_type != "none":
             problem = MoriBackendError(
-                f"{func}: kernel_type {config.kernel_type.name} on the {self._agree.device.type} heap: "
-                f"{_NO_INTERNODE_KERNELS}"
+                f"{func}: kernel_type {config.kernel_type.name} with quant_type={config.quant_type!r} on the "
+                f"kernel path: {_NO_INTERNODE_KERNELS}"
             )
         elif far and not inter:
             problem = MoriBackendError(
@@ -423,8 +419,11 @@ class EpDispatchCombineOp:
         #: and the inter-node legs; collective: every rank allocates the same tensors in order
         self.buffers = EpBuffers(config, quant_scale_dim=quant_scale_dim, quant_block=quant_block)
         w = self.world_size
+        self._ikern: InterNodeKernels | None = None
         if inter:  # collective: its streams' buffers and signal words (added to self.buffers)
             self._inter = internode.InterNodeHost(self)
+            if kernels_requested(self.buffers.device, impl):  # collective: its control words
+                self._ikern = InterNodeKernels(self, self._inter)
         self.buffers.zero()
 
         def peers(t: torch.Tensor) -> list[Any]:
@@ -449,7 +448,7 @@ class EpDispatchCombineOp:
                 f"'auto' or 'triton' on the {dev.type} heap (the host path runs on the cpu runtime)",
             )
         self._kern: KernelPath | None = None
-        if kernels_requested(dev, impl):
+        if kernels_requested(dev, impl) and not inter:
             qb = self.buffers.quant_block
             if qb and (qb & (qb - 1) or qb > 2048):
                 raise MoriBackendError(
@@ -458,7 +457,13 @@ class EpDispatchCombineOp:
                     "power-of-two block of at most 2048 elements"
                 )
             self._kern = KernelPath(self)  # collective: allocates its control words
-        self._total_recv = self._kern.total_recv if self._kern else torch.zeros(1, dtype=torch.int32)
+        self._total_recv = (
+            self._kern.total_recv
+            if self._kern
+            else self._ikern.total_recv
+            if self._ikern
+            else torch.zeros(1, dtype=torch.int32)
+        )
         #: int32 [num_experts_per_rank]: received (token, k) pairs per local expert; filled by a
         #: dispatch with ``call_local_expert_count=True``
         self.local_expert_count = torch.zeros(self.buffers.e_local, dtype=torch.int32, device=dev)
@@ -808,7 +813,16 @@ class EpDispatchCombineOp:
         input, weights, scales, indices = self._check_dispatch_args(
             func, input, weights, scales, indices, routing
         )
-        if self._kern is not None:
+        if self._ikern is not None:
+            if routing is not None or return_routing:
+                raise MoriBackendError(
+                    f"{func}: routing handles with kernel_type {self.config.kernel_type.name}: "
+                    f"{_NO_INTERNODE_KERNELS}"
+                )
+            self._ikern.dispatch(input, weights, scales, indices)
+            self._pending_dispatch = {"n": input.shape[0], "count": call_local_expert_count}
+            outputs = self._dispatch_outputs(input, scales)
+        elif self._kern is not None:
             fused = self.config.kernel_type != KT.AsyncLL  # AsyncLL waits in dispatch_recv
             self._kern.dispatch_send(
                 input, weights, scales, indices, routing, block_num, warp_per_block, recv=fused
@@ -989,6 +1003,18 @@ class EpDispatchCombineOp:
         pend = self._pending_dispatch
         assert pend is not None
         self._pending_dispatch = None
+        if self._ikern is not None:
+            self._last = None
+            if pend["count"]:
+                self._ikern.local_expert_count()
+            if not self._ikern.is_gpu:  # (on a GPU reading the error words would synchronise)
+                err = self._ikern.dispatch_error(func)
+                if err is not None:
+                    raise err
+            self._last = EpDispatchRoutingHandle(
+                self._ikern.dest_slot, self._total_recv, self.buffers.recv_src, pend["n"]
+            )
+            return
         if self._kern is not None:
             routing = pend["routing"]
             self._kern.dispatch_recv(routing, pend["count"], launch=self.config.kernel_type == KT.AsyncLL)
@@ -1137,7 +1163,7 @@ class EpDispatchCombineOp:
                 f"-1 or 1/True with quant_type={quant!r} (no zero-copy combine with wire quantisation)",
             )
         # total_recv lives on the device with the kernels: checked only where that costs no sync
-        total = handle.num_recv if self._kern is None else 0
+        total = handle.num_recv if self._kern is None and self._ikern is None else 0
         input = self._tensor(func, "input", input, COMBINE_DTYPES, 2)
         h = input.shape[1]
         if input.shape[0] < total:
@@ -1177,6 +1203,22 @@ class EpDispatchCombineOp:
                     func, "weights.shape", list(weights.shape), f"[>= {total}, {self.buffers.k}] or None"
                 )
         self._check_indices(func, indices, handle.num_tokens)
+        if self._ikern is not None:
+            if routing is not None:
+                raise MoriBackendError(
+                    f"{func}: routing handles with kernel_type {self.config.kernel_type.name}: "
+                    f"{_NO_INTERNODE_KERNELS}"
+                )
+            out = torch.empty(self.buffers.m, h, dtype=input.dtype, device=input.device)
+            out_w = None
+            if weights is not None:
+                out_w = torch.empty(self.buffers.m, self.buffers.k, dtype=torch.float32, device=out.device)
+            self._ikern.combine(input, weights, out, out_w, handle.num_tokens)
+            if not self._ikern.is_gpu:
+                err = self._ikern.combine_error(func)
+                if err is not None:
+                    raise err
+            return out, out_w
         if self._kern is not None:
             out = torch.empty(self.buffers.m, h, dtype=input.dtype, device=input.device)
             out_w = None
