@@ -109,6 +109,17 @@ class EpBuffers:
         self.tensors.append(tensor)
         return tensor
 
+    def count_local_experts(self, total_recv: torch.Tensor, rank: int, out: torch.Tensor) -> None:
+        """``out`` int32 [e_local] = received (token, k) pairs per local expert of ``rank``, over the
+        first ``total_recv`` (int32 [1], on the device) received rows. Device ops only, no sync."""
+        e = self.e_local
+        valid = torch.arange(self.r, device=self.device)[:, None] < total_recv.to(torch.int64)
+        local = self.recv_idx.to(torch.int64) - rank * e
+        mine = valid & (self.recv_idx >= 0) & (local >= 0) & (local < e)
+        counts = torch.zeros(e, dtype=torch.int32, device=self.device)
+        counts.scatter_add_(0, torch.where(mine, local, 0).flatten(), mine.to(torch.int32).flatten())
+        out.copy_(counts)
+
     def zero(self) -> None:
         """Zero every tensor held now (this rank's copies; not collective, no barrier)."""
         for t in self.tensors:

@@ -207,14 +207,7 @@ class InterNodeKernels:
 
     def local_expert_count(self) -> None:
         """Fill ``op.local_expert_count`` from the valid received rows (device ops, no sync)."""
-        op = self.op
-        e = op.buffers.e_local
-        valid = torch.arange(op.buffers.r, device=self.device)[:, None] < self.total_recv.to(torch.int64)
-        local = op.buffers.recv_idx.to(torch.int64) - op.rank * e
-        mine = valid & (op.buffers.recv_idx >= 0) & (local >= 0) & (local < e)
-        counts = torch.zeros(e, dtype=torch.int32, device=self.device)
-        counts.scatter_add_(0, torch.where(mine, local, 0).flatten(), mine.to(torch.int32).flatten())
-        op.local_expert_count.copy_(counts)
+        self.op.buffers.count_local_experts(self.total_recv, self.op.rank, self.op.local_expert_count)
 
     # -- combine ---------------------------------------------------------------------------------
 
