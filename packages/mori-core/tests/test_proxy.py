@@ -21,6 +21,7 @@ import pytest
 pytest.importorskip("triton", reason="the device API needs Triton (pip install mori-core[triton])")
 
 from mori.testing import load_module_file, shmem_ranks
+from mori.testing.gpu_shmem import cuda_memory_transport
 
 TIMEOUT = 150.0  # a device wait has no timeout: a broken proxy would hang the ranks
 BASE_ENV = {"TRITON_INTERPRET": "1", "MORI_BOOTSTRAP_TIMEOUT": "60"}
@@ -436,24 +437,9 @@ def _gpu_through_proxy(rank: int, nranks: int) -> None:
             sh.shmem_quiet()
 
 
-def _gpu_transport() -> str | None:
-    """The network transport that moves CUDA memory here, if any (tcp moves host memory only)."""
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return None
-        from mori.core.transport import CAP_CUDA_MEMORY, find_network_transport, open_transport
-
-        t = find_network_transport("ucx")
-        return "ucx" if open_transport(t.ops(), t.options()).caps & CAP_CUDA_MEMORY else None
-    except Exception:
-        return None
-
-
 @pytest.mark.cuda  # NVIDIA only: the proxy moves device memory through ucx's CUDA memory support
 @pytest.mark.skipif(
-    _gpu_transport() is None, reason="needs an NVIDIA GPU and a transport that moves CUDA memory (ucx)"
+    cuda_memory_transport() is None, reason="needs an NVIDIA GPU and a transport that moves CUDA memory (ucx)"
 )
 def test_device_api_through_the_proxy_on_one_gpu() -> None:
     shmem_ranks(

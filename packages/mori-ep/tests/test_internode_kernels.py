@@ -26,6 +26,7 @@ import mori.shmem as shmem
 from mori.core.errors import MoriValueError
 from mori.ep import EpDispatchCombineKernelType, EpDispatchCombineOp
 from mori.testing import shmem_ranks
+from mori.testing.gpu_shmem import cuda_memory_transport
 
 KT = EpDispatchCombineKernelType
 _pkg = __name__.rpartition(".")[0]
@@ -192,19 +193,6 @@ def test_forged_stream_row_count_is_rejected_by_name() -> None:
 # -- on a GPU: the same kernels compiled, the far leg through the proxy over ucx -------------------
 
 
-def _gpu_transport() -> str | None:
-    """The network transport that moves CUDA memory here, if any (tcp moves host memory only)."""
-    try:
-        if not torch.cuda.is_available():
-            return None
-        from mori.core.transport import CAP_CUDA_MEMORY, find_network_transport, open_transport
-
-        t = find_network_transport("ucx")
-        return "ucx" if open_transport(t.ops(), t.options()).caps & CAP_CUDA_MEMORY else None
-    except Exception:
-        return None
-
-
 def _on_gpu(rank: int, world: int, g: int, kt: KT) -> list[int]:
     kern, _ = _ops(rank, world, g, kt)
     assert kern.buffers.device.type == "cuda"
@@ -218,7 +206,7 @@ def _on_gpu(rank: int, world: int, g: int, kt: KT) -> list[int]:
 
 @pytest.mark.cuda  # NVIDIA-only: the proxy moves the heap's CUDA memory through ucx's CUDA support
 @pytest.mark.skipif(
-    _gpu_transport() is None, reason="needs an NVIDIA GPU and a transport that moves CUDA memory (ucx)"
+    cuda_memory_transport() is None, reason="needs an NVIDIA GPU and a transport that moves CUDA memory (ucx)"
 )
 @pytest.mark.parametrize("kt", [KT.InterNodeV1, KT.InterNode])
 def test_two_nodes_of_one_rank_on_one_gpu(kt: KT) -> None:

@@ -26,6 +26,7 @@ from mori.testing import shmem_ranks
 
 __all__ = [
     "GpuShmemBackend",
+    "cuda_memory_transport",
     "machine_backend",
     "machine_gpu_runtime",
     "test_atomics_waits_and_barriers",
@@ -68,6 +69,23 @@ EXPORT_ENV = {
     "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False",
     "PYTORCH_HIP_ALLOC_CONF": "expandable_segments:False",
 }
+
+
+def cuda_memory_transport() -> str | None:
+    """The network transport that moves CUDA memory on this machine (``"ucx"`` when its plugin
+    is installed and its UCX has CUDA support), or None (also without a GPU; tcp moves host memory
+    only). For the skip condition of tests that send GPU heaps through the proxy."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        from mori.core.transport import CAP_CUDA_MEMORY, find_network_transport, open_transport
+
+        t = find_network_transport("ucx")
+        return "ucx" if open_transport(t.ops(), t.options()).caps & CAP_CUDA_MEMORY else None
+    except Exception:
+        return None
 
 
 def machine_gpu_runtime() -> str:
