@@ -4,6 +4,7 @@ ucx; start MPS first (DEVELOPERS.md). Usage: python tools/proxy_gpu_probe.py put
 
 import importlib.util
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,11 +15,35 @@ def log(rank, msg):
     print(f"[rank {rank} {time.monotonic():.3f}] {msg}", file=sys.stderr, flush=True)
 
 
+def watch(rank, sig, every=3.0):
+    """Every few seconds: the proxy's ring (head, completed, error) and the signal words, read on a
+    side stream (the default stream may be busy with a kernel that waits), so a hang says where."""
+    import torch
+
+    from mori.shmem.context import current
+
+    proxy = current("probe").network.proxy
+    side = torch.cuda.Stream()
+
+    def loop():
+        while True:
+            time.sleep(every)
+            with torch.cuda.stream(side):
+                words = sig.to("cpu").tolist()
+            log(
+                rank,
+                f"watch: head={proxy.head} completed={proxy.completed} error={proxy.error_code} sig={words}",
+            )
+
+    threading.Thread(target=loop, daemon=True).start()
+
+
 def body(rank, nranks):
     import torch
 
     import mori.shmem as sh
     from mori.shmem import device as shd
+    from mori.shmem.loading import KernelLoader
 
     spec = importlib.util.spec_from_file_location(
         "_pk", str(Path(__file__).resolve().parents[1] / "packages/mori-core/tests/_proxy_kernels.py")
@@ -40,6 +65,7 @@ def body(rank, nranks):
     src.copy_(torch.arange(n, dtype=torch.int32, device=src.device) + 1000 * rank)
     torch.cuda.synchronize()
     sh.shmem_barrier_all()
+    watch(rank, sig)
     for step in STEPS:
         log(rank, f"step {step}: start")
         t0 = time.perf_counter()
@@ -89,16 +115,16 @@ def body(rank, nranks):
             torch.cuda.synchronize()
             sh.shmem_barrier_all()
             seen = torch.zeros(1, dtype=torch.int64, device=dst.device)
+            # through the loader: a new specialisation of `i` (1, multiples of 16) loads while the
+            # previous wait runs otherwise, and that never returns (mori.shmem.loading)
+            loader = KernelLoader()
             for i in range(1, 20 + iters + 1):
                 if i == 21:
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                if rank == 0:
-                    tk.put_signal_kernel[(1,)](dst, src, sig[0:], 256, i, peer, ctx, BLOCK=256)
-                    tk.wait_kernel[(1,)](sig[1:], i, seen)
-                else:
-                    tk.wait_kernel[(1,)](sig[0:], i, seen)
-                    tk.put_signal_kernel[(1,)](dst, src, sig[1:], 256, i, peer, ctx, BLOCK=256)
+                put = (tk.put_signal_kernel, (1,), (dst, src, sig[rank:], 256, i, peer, ctx), {"BLOCK": 256})
+                wait = (tk.wait_kernel, (1,), (sig[peer:], i, seen), {})
+                loader.launch([put, wait] if rank == 0 else [wait, put])
             torch.cuda.synchronize()
             log(
                 rank,

@@ -1,11 +1,13 @@
-"""Host side of the inter-node Triton kernels (:mod:`mori.ep.internode_kernels`). No host sync.
+"""Host side of the inter-node Triton kernels (:mod:`mori.ep.internode_kernels`). No host sync but
+the one before the first launch of each kernel variant (:mod:`mori.shmem.loading`).
 
 :class:`InterNodeKernels` belongs to one :class:`~mori.ep.EpDispatchCombineOp` of kernel type
 ``InterNode``, ``InterNodeV1`` or ``InterNodeV1LL`` on the kernel path. It uses the operator's
 buffers (``op.buffers``) and the stream buffers of its :class:`~mori.ep.internode.InterNodeHost`
 (``xin``, ``xout``, ``cst``, ``cst_w``, ``sig``: the host path's layout), and adds its control
 words ``xctrl`` and local tables. Each dispatch is two launches and each combine two, on the
-current stream; nothing reads a device value on the host (:meth:`error` does, on request).
+current stream (loaded first, see :mod:`mori.shmem.loading`); nothing reads a device value on
+the host (:meth:`error` does, on request).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 import mori.shmem as shmem
 from mori.core.errors import MoriStateError, MoriValueError
+from mori.shmem.loading import KernelLoader
 
 if TYPE_CHECKING:
     from mori.ep.internode import InterNodeHost
@@ -73,6 +76,9 @@ class InterNodeKernels:
         self.total_recv = torch.zeros(1, dtype=torch.int32, device=dev)
         #: added to every dispatch stream header's row count: 0 (a test sets it to play a lying peer)
         self.forge = 0
+        #: every kernel of a dispatch or combine is loaded before the first of them runs: the
+        #: first waits on the proxy, and a module load meanwhile would never return
+        self.loader = KernelLoader()
         self.dispatch_calls = 0
         self.combine_calls = 0
 
@@ -112,7 +118,7 @@ class InterNodeKernels:
         sizes = (nb, b.row_bytes, sb, b.scale_bytes, b.m, b.r, b.e_local, off_w, off_s, off_i, off_t, stride)
         block = min(1024, _pow2_at_least(max(nb, sb, 16)))
         common = {**self._common(), "HAS_W": weights is not None, "BLOCK": block}
-        self.kern.xd_send_kernel[(1,)](
+        send_args = (
             inp_b,
             inp_b.stride(0),
             wts,
@@ -142,11 +148,9 @@ class InterNodeKernels:
             self.ctx,
             self.forge,
             *sizes,
-            NS_P2=_pow2_at_least(self.ns),
-            MEMB=self.memb,
-            **common,
         )
-        self.kern.xd_fan_kernel[(1,)](
+        send_kw = {"NS_P2": _pow2_at_least(self.ns), "MEMB": self.memb, **common}
+        fan_args = (
             b.recv_tok,
             b.recv_w,
             b.recv_scales,
@@ -165,8 +169,12 @@ class InterNodeKernels:
             self.xctrl,
             self.ctx,
             *sizes,
-            F=len(inter.fan),
-            **common,
+        )
+        self.loader.launch(
+            [
+                (self.kern.xd_send_kernel, (1,), send_args, send_kw),
+                (self.kern.xd_fan_kernel, (1,), fan_args, {"F": len(inter.fan), **common}),
+            ]
         )
 
     def dispatch_error(self, func: str) -> MoriValueError | None:
@@ -241,10 +249,8 @@ class InterNodeKernels:
         wts = weights.contiguous() if weights is not None else b.recv_w  # unused when HAS_W=0
         topo = (self.local, self.strm_to, self.in_src, self.xctrl, self.ctx, h, m)
         stage_args = (stage, stage.stride(0), b.stage_w, cst, cst.stride(0), inter.cst_w)
-        self.kern.xc_stage_kernel[(1,)](
-            input, input.stride(0), wts, self.total_recv, b.recv_src, *stage_args, *topo, **common
-        )
-        self.kern.xc_reduce_kernel[(1,)](
+        stage_call = (input, input.stride(0), wts, self.total_recv, b.recv_src, *stage_args, *topo)
+        reduce_call = (
             out,
             out_w if out_w is not None else b.recv_w,
             n_tok,
@@ -266,5 +272,10 @@ class InterNodeKernels:
             inter.sig,
             *stage_args,
             *topo,
-            **common,
+        )
+        self.loader.launch(
+            [
+                (self.kern.xc_stage_kernel, (1,), stage_call, common),
+                (self.kern.xc_reduce_kernel, (1,), reduce_call, common),
+            ]
         )
