@@ -42,7 +42,6 @@ import textwrap
 import time
 import traceback
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -382,6 +381,12 @@ def compile_one(task: Task, out_dir: str | None) -> tuple[Task, bool, str, float
         return task, False, last[:2000], time.perf_counter() - t0
 
 
+def compile_batch(work: tuple[list[Task], str | None]) -> list[tuple[Task, bool, str, float]]:
+    """Compile a batch of one target's tasks in order, in this (fresh) worker process."""
+    tasks, out_dir = work
+    return [compile_one(task, out_dir) for task in tasks]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument(
@@ -427,14 +432,24 @@ def main(argv: list[str] | None = None) -> int:
 
         # fork: the workers inherit the imported modules (nothing has been compiled yet, so no
         # compiler threads exist to be lost); spawn where fork is not available.
-        # One pool per target: a process that compiled for gfx950 and then for gfx942 emitted
-        # gfx950-only fp8 conversions (v_cvt_scalef32_pk_fp8_f32) into the gfx942 code, which then
-        # failed to link (Triton 3.6); workers that never change target cannot mix them up.
+        # A process compiles for one target only: one that compiled for gfx950 and then for gfx942
+        # emitted gfx950-only fp8 conversions (v_cvt_scalef32_pk_fp8_f32) into the gfx942 code,
+        # which then failed to link (Triton 3.6). So the work is cut into batches of one target
+        # (jobs // targets batches per target, dealt round-robin), each batch compiled in order by
+        # a fresh process, and every batch of every target runs at once on `jobs` processes: the
+        # targets overlap, and one slow variant (a W=8 combine takes minutes) holds up one batch
+        # instead of the end of a target's pool.
         method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-        for target in targets:
-            mine = [t for t in tasks if t.target == target]
-            with ProcessPoolExecutor(max_workers=args.jobs, mp_context=mp.get_context(method)) as pool:
-                for task, ok, msg, secs in pool.map(compile_one, mine, [args.out] * len(mine)):
+        per_target = max(1, args.jobs // len(targets))
+        batches = [
+            [t for t in tasks if t.target == target][i::per_target]
+            for i in range(per_target)
+            for target in targets
+        ]
+        batches = [b for b in batches if b]
+        with mp.get_context(method).Pool(processes=args.jobs, maxtasksperchild=1) as pool:
+            for done in pool.imap_unordered(compile_batch, [(b, args.out) for b in batches]):
+                for task, ok, msg, secs in done:
                     results[task] = (ok, msg, secs)
 
     failed = report(found, errors, results, targets, triton.__version__, time.perf_counter() - t0)

@@ -3,7 +3,9 @@ and stores cannot reach, at 2 emulated nodes x 2 ranks over every network transp
 the proxy's checks (bad PE, address outside the heap, unregistered memory) and a full ring.
 
 Kernels live in ``_proxy_kernels.py`` (loaded by path after the launcher set TRITON_INTERPRET=1).
-The last test (marked ``cuda``) runs the same kernels compiled on one GPU, two PEs over the proxy.
+The test marked ``cuda`` runs the same kernels compiled on one GPU, two PEs over the proxy; the last
+one runs the kernels of the two-node GPU benchmark (:mod:`mori.shmem.bench_proxy`) and the kernel
+loader.
 """
 
 from __future__ import annotations
@@ -782,3 +784,44 @@ def _ir_kernels() -> ModuleType:
 
 def test_ir_device_functions_across_two_nodes() -> None:
     _run(_ir_ring, 4, env={"MORI_SHMEM_TRANSPORT": "tcp"})
+
+
+# -- the two-node GPU benchmark's kernels and the kernel loader, under the interpreter ----------------
+
+
+def _bench_kernels(rank: int, nranks: int) -> tuple[int, int]:
+    import torch
+
+    import mori.shmem as shmem
+    from mori.shmem import bench_proxy as bp
+    from mori.shmem import device as shd
+    from mori.shmem.loading import KernelLoader
+
+    ctx = shd.shmem_device_context()
+    src = shmem.mori_shmem_create_tensor(4096, torch.uint8)
+    dst = shmem.mori_shmem_create_tensor(4096, torch.uint8)
+    words = shmem.mori_shmem_create_tensor(8, torch.int64)
+    sig = shmem.mori_shmem_create_tensor(1, torch.int64)
+    src.fill_(rank + 1)
+    dst.zero_()
+    words.fill_(10 + rank)
+    sig.zero_()
+    shmem.shmem_barrier_all()
+    loader = KernelLoader()
+    if rank == 0:  # 3000 bytes, complete at PE 1 when the kernel ends (its quiet)
+        loader.launch([(bp.proxy_put_kernel, (1,), (dst, src, 3000, 1, ctx), {"BLOCK": 1024})])
+    shmem.shmem_barrier_all()
+    if rank == 1:
+        assert bool((dst[:3000] == 1).all()) and not bool(dst[3000:].any()), "the put moved other bytes"
+    call = (bp.proxy_pingpong_kernel, (1,), (words[4:], words, sig, ctx, 5, 100), {"INITIATOR": rank == 0})
+    loader.launch([call])
+    shmem.shmem_barrier_all()
+    assert loader.loaded == 0, "the interpreter loads nothing"
+    return int(sig[0]), int(words[4])
+
+
+def test_bench_proxy_kernels_put_and_bounce_through_the_proxy() -> None:
+    """The kernels of `mori bench shmem --device cuda --nodes 2`: the put lands exactly, the
+    ping-pong ends with the last signal (start + n) and the peer's 8 bytes on both PEs."""
+    got = _run(_bench_kernels, 2, env={"MORI_SHMEM_TRANSPORT": "tcp"}, before_init=_node_per_rank)
+    assert got == [(105, 11), (105, 10)]

@@ -8,7 +8,8 @@ One node (default): the ranks share memory; the baseline, measured in the same p
 run, is ``dst.copy_(src)`` of two ``size``-byte tensors (the in-process memcpy a user would
 otherwise do). ``--nodes 2``: the ranks get different ``MORI_NODE_ID`` (emulated nodes on this
 machine), so every put and signal crosses the network transport (``--transport``, as
-``MORI_SHMEM_TRANSPORT``); the baseline, in the same processes in the same run, is torch.distributed
+``MORI_SHMEM_TRANSPORT``; with ``--device cuda`` from kernels through the proxy:
+:mod:`mori.shmem.bench_proxy`); the baseline, in the same processes in the same run, is torch.distributed
 gloo over loopback: a ``send`` of ``size`` bytes that PE 1 receives and acknowledges with a
 1-byte ``send`` (a put is complete at its target when it returns; the acknowledgement gives gloo
 the same end), and an 8-byte send/recv ping-pong for the round trip. ratio = ours / baseline.
@@ -49,8 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         choices=[1, 2],
         default=1,
-        help="cpu: 1 (shared memory) or 2 emulated nodes (one rank each, different MORI_NODE_ID: puts "
-        "cross the network transport; baseline gloo send/recv)",
+        help="1 (shared memory / P2P) or 2 emulated nodes (one rank each, different MORI_NODE_ID: puts "
+        "cross the network transport; baseline gloo send/recv). cuda with 2: both ranks on GPU 0 (start "
+        "MPS), device-initiated puts and signals through the SHMEM proxy",
     )
     p.add_argument(
         "--transport",
@@ -248,19 +250,23 @@ def summarise(
 
 
 def run(args: argparse.Namespace) -> int:
-    args.json = bench.json_path(args.json, f"shmem-{args.device}")
+    two = args.nodes == 2
+    args.json = bench.json_path(args.json, f"shmem-{args.device}" + ("-nodes2" if two else ""))
+    if args.sizes is not None and (not args.sizes or min(args.sizes) <= 0):
+        raise SystemExit("mori bench shmem: --sizes must be byte counts > 0")
+    if args.transport is not None and not two:
+        raise SystemExit(
+            "mori bench shmem: --transport needs --nodes 2 (one node moves bytes by shared memory)"
+        )
+    if args.device == "cuda" and two:
+        from mori.shmem import bench_proxy
+
+        return bench_proxy.run(args)
     if args.device == "cuda":
         from mori.shmem import bench_gpu
 
         return bench_gpu.report(args, *bench_gpu.run_gpu(args))
     sizes = sorted(set(args.sizes or DEFAULT_SIZES))
-    if not sizes or sizes[0] <= 0:
-        raise SystemExit("mori bench shmem: --sizes must be byte counts > 0")
-    if args.transport is not None and args.nodes != 2:
-        raise SystemExit(
-            "mori bench shmem: --transport needs --nodes 2 (one node moves bytes by shared memory)"
-        )
-    two = args.nodes == 2
     heap = 2 * max(sizes) + (16 << 20)
     env = {"MORI_SHMEM_TRANSPORT": args.transport} if args.transport else None
     r0, r1 = shmem_ranks(

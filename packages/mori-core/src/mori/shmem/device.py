@@ -444,14 +444,17 @@ def _copy_block(
     # Whole blocks first, with no mask: block i covers [i*BLOCK, (i+1)*BLOCK) <= n_elems, and an
     # unmasked access at an offset that is a multiple of BLOCK compiles to full-width vector loads
     # and stores. Then at most one partial block, masked so nothing past n_elems is touched.
-    # (while, not range: a runtime loop bound is a 1-element array under the interpreter.)
+    # (while, not range: a runtime loop bound is a 1-element array under the interpreter. The `if`
+    # drops the loop when n_elems < BLOCK is known at compile time: Triton 3.6's TritonGPUCoalesce
+    # pass asserts on a `while` whose condition folds to false, e.g. put_signal_block(..., 1, ...).)
     offs = tl.arange(0, BLOCK)
     n_full = n_elems // BLOCK
-    i = tl.cast(0, tl.int64)
-    while i < n_full:
-        start = i * BLOCK
-        tl.store(dst_ptr + start + offs, tl.load(src_ptr + start + offs))
-        i += 1
+    if n_full > 0:
+        i = tl.cast(0, tl.int64)
+        while i < n_full:
+            start = i * BLOCK
+            tl.store(dst_ptr + start + offs, tl.load(src_ptr + start + offs))
+            i += 1
     start = tl.cast(n_full, tl.int64) * BLOCK
     if start < n_elems:
         mask = start + offs < n_elems
