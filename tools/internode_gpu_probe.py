@@ -3,7 +3,7 @@ DEVELOPERS.md), the far legs through the SHMEM proxy over ucx. Each kernel launc
 synchronize and a log line; a watchdog prints, every few seconds, the proxy's ring (head, completed,
 error) and the op's control and signal words, read on a side stream, so a hang says where it is.
 
-    python tools/internode_gpu_probe.py [InterNodeV1|InterNode] [rounds] [sync|async|test]
+    python tools/internode_gpu_probe.py [InterNodeV1|InterNode] [rounds] [sync|async|test|test-wait]
 """
 
 import importlib.util
@@ -86,8 +86,20 @@ def body(rank, world):
 
     threading.Thread(target=watch, daemon=True).start()
     log(rank, f"op built: {KT_NAME}, transport {net.tp.name}, rma_signals ring flag set")
-    # test: the GPU test's own rounds (test_internode_kernels._on_gpu), stacks dumped while stuck
-    if MODE == "test":
+    # test: the GPU test's own rounds (test_internode_kernels._on_gpu), stacks dumped while stuck;
+    # test-wait: the same, with dispatch and combine waiting for their kernels before they return
+    if MODE == "test-wait":
+
+        def waiting(f):
+            def call(*a, **k):
+                f(*a, **k)
+                torch.cuda.current_stream().synchronize()
+
+            return call
+
+        op._ikern.dispatch = waiting(op._ikern.dispatch)
+        op._ikern.combine = waiting(op._ikern.combine)
+    if MODE.startswith("test"):
         import faulthandler
 
         sys.path.insert(0, str(ROOT / "packages/mori-ep/tests"))
