@@ -45,9 +45,20 @@ tests() {
   [ -d packages/mori-cco/tests ] && dirs+=(packages/mori-cco/tests)
   local per_test=()
   python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 300)
-  timeout 420 python3 -m pytest -p no:cacheprovider -m "cuda or gpu" -q -rs --continue-on-collection-errors "${per_test[@]}" "${dirs[@]}" \
-    --junitxml "$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
-  rc=$((rc | ${PIPESTATUS[0]}))
+  # one pytest per file, MPS restarted after a file that failed: a kernel that hangs leaves MPS
+  # unusable (error 807 in every later test), so a hang costs its own file only
+  local files
+  files=$(python3 -m pytest -p no:cacheprovider -m "cuda or gpu" -q --collect-only --continue-on-collection-errors \
+    "${dirs[@]}" 2>/dev/null | grep "::" | sed 's/::.*//' | sort -u)
+  local f n=0
+  for f in $files; do
+    n=$((n + 1))
+    timeout 420 python3 -m pytest -p no:cacheprovider -m "cuda or gpu" -q -rs "${per_test[@]}" "$f" \
+      --junitxml "$OUT/gpu-tests-$n.xml" > "$OUT/gpu-tests-$n.log" 2>&1
+    local frc=$?
+    echo "$f: rc=$frc $(tail -1 "$OUT/gpu-tests-$n.log")" | tee -a "$OUT/gpu-tests.log"
+    if [ $frc -ne 0 ]; then rc=1; mps_off; sleep 1; mps_on; fi
+  done
   mps_off
 }
 
