@@ -292,7 +292,7 @@ def test_config_nodes_smaller_than_the_machine() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_heap_runs_the_inter_node_kernels_only_when_asked() -> None:
+def test_gpu_heap_runs_the_inter_node_kernels() -> None:
     runtime = machine_gpu_runtime()  # skips without a GPU, fails without a plugin serving it
     env = {"MORI_DEVICE_RUNTIME": runtime, "MORI_SHMEM_HEAP_SIZE": "256M"}
     got = shmem_ranks(_gpu_builds, 2, env=env, timeout=TIMEOUT, before_init=_first_gpu)
@@ -306,11 +306,10 @@ def _first_gpu(rank: int, world: int) -> None:
 def _gpu_builds(rank: int, world: int) -> str:
     # one node here; the runs across nodes are in test_internode_kernels.py
     for kt in (KT.InterNode, KT.InterNodeV1, KT.InterNodeV1LL):
-        # not the default on a GPU heap until they have run on one (see op.py)
-        with pytest.raises(MoriBackendError, match=r"did not finish in their first run on a GPU"):
-            EpDispatchCombineOp(td._config(rank, world, kernel_type=kt, gpu_per_node=1))
-        op = EpDispatchCombineOp(td._config(rank, world, kernel_type=kt, gpu_per_node=1), impl="triton")
-        assert op._ikern is not None and op._kern is None, "impl='triton' runs the inter-node kernels"
+        op = EpDispatchCombineOp(td._config(rank, world, kernel_type=kt, gpu_per_node=1))
+        assert op._ikern is not None and op._kern is None, (
+            "impl='auto' runs the inter-node kernels on a GPU heap"
+        )
         with pytest.raises(MoriBackendError, match=r"quant_type='fp8_direct_cast' on the kernel path"):
             EpDispatchCombineOp(
                 td._config(

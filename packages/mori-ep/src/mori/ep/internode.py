@@ -32,15 +32,15 @@ Traffic to other nodes is counted (:meth:`InterNodeHost.traffic`, exposed as
 and every message (put, signal, atomic) to another node, control included.
 
 Where it runs. This module is the host path (the ``cpu`` runtime, ``impl="auto"`` or ``"host"``).
-With ``impl="triton"`` (on a GPU heap, or the interpreter on CPU heaps) the same protocol runs
+On a GPU heap (and with ``impl="triton"`` under the interpreter on CPU heaps) the same protocol runs
 on Triton kernels (:mod:`mori.ep.internode_kernels`, launched by
 :class:`mori.ep.internode_path.InterNodeKernels`): they use this class's stream buffers and
 signal words, the same wire rows and the same fp32 summation order (the results are the same
 bits), and across nodes only puts and ``SIGNAL_SET`` of epoch-tagged words (plus "inbound buffer
 free" words of their own, also set by ``SIGNAL_SET``), which a GPU heap on ``ucx`` without RDMA allows. The kernels do not do combine wire
-quantisation or routing replay yet, and are not the default on a GPU heap: their first GPU run
-(one H200, 2 emulated nodes over ucx) did not finish. Nothing has run on a real NIC: emulated nodes on one machine
-only (``tcp``, ``ucx``; the kernels under the interpreter with ``MORI_SHMEM_PROXY_ATOMICS=rma``).
+quantisation or routing replay yet. They ran on one H200 (2 emulated nodes x 1 rank over ucx);
+nothing has run on a real NIC: emulated nodes on one machine only (``tcp``, ``ucx``; the kernels
+also under the interpreter with ``MORI_SHMEM_PROXY_ATOMICS=rma``).
 
 The original's RDMA knobs are accepted, validated and recorded, and change nothing here: each
 stream is one host transport operation (one ``put_signal_block`` from one program in the

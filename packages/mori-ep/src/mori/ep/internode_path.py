@@ -1,5 +1,7 @@
-"""Host side of the inter-node Triton kernels (:mod:`mori.ep.internode_kernels`). No host sync but
-the one before the first launch of each kernel variant (:mod:`mori.shmem.loading`).
+"""Host side of the inter-node Triton kernels (:mod:`mori.ep.internode_kernels`). On a GPU each call
+returns once its kernels ended (see :meth:`InterNodeKernels._wait`), and the first launch of each
+kernel variant waits for the stream first (:mod:`mori.shmem.loading`); on the cpu runtime (the
+interpreter) there is nothing to wait for.
 
 :class:`InterNodeKernels` belongs to one :class:`~mori.ep.EpDispatchCombineOp` of kernel type
 ``InterNode``, ``InterNodeV1`` or ``InterNodeV1LL`` on the kernel path. It uses the operator's
@@ -176,6 +178,7 @@ class InterNodeKernels:
                 (self.kern.xd_fan_kernel, (1,), fan_args, {"F": len(inter.fan), **common}),
             ]
         )
+        self._wait("dispatch")
 
     def dispatch_error(self, func: str) -> MoriValueError | None:
         """The error of the last dispatch (a bad stream, or more rows than the receive buffers),
@@ -279,3 +282,23 @@ class InterNodeKernels:
                 (self.kern.xc_reduce_kernel, (1,), reduce_call, common),
             ]
         )
+        self._wait("combine")
+
+    def _wait(self, func: str) -> None:
+        """On a GPU: return only once this call's kernels ended.
+
+        Its kernels wait on the proxy, whose transport moves GPU memory through the CUDA driver
+        (UCX's cuda_ipc / cuda_copy); a synchronous call of the host meanwhile -- a ``.cpu()`` or
+        ``.item()`` of any tensor copies to pageable memory on the stream the kernels run on --
+        stops those copies, and neither ever ends (one H200, 2 emulated nodes: the GPU test's
+        ``.cpu()`` of the received rows hung; with this wait its rounds passed). Not while a CUDA
+        graph is being captured: these kernels are not capturable."""
+        if not self.is_gpu:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise MoriStateError(
+                f"EpDispatchCombineOp.{func}: the inter-node kernel types cannot be captured in a CUDA graph "
+                "on a GPU heap (each call waits for its kernels: the proxy's copies and a host sync would "
+                "otherwise wait on each other)"
+            )
+        torch.cuda.current_stream(self.device).synchronize()

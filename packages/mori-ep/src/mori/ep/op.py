@@ -80,15 +80,9 @@ _NO_INTERNODE_KERNELS = (
     "routing replay yet (issue 19); on the cpu runtime (MORI_DEVICE_RUNTIME=cpu) the host path runs "
     "them with impl='auto' or impl='host'"
 )
+
+
 #: why impl="auto" does not pick the inter-node kernels on a GPU heap (impl="triton" does)
-_GPU_INTERNODE_UNPROVEN = (
-    "the inter-node Triton kernels (mori.ep.internode_kernels) pass under the Triton interpreter but "
-    "did not finish in their first run on a GPU (one H200, 2 emulated nodes x 1 rank, streams through "
-    "the proxy over ucx; issue 19), so they are not the default there; impl='triton' runs them "
-    "anyway, and on the cpu runtime (MORI_DEVICE_RUNTIME=cpu) the host path runs these kernel types"
-)
-
-
 def _float8_types() -> tuple[torch.dtype, ...]:
     return tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz") if hasattr(torch, n))
 
@@ -326,11 +320,11 @@ class EpDispatchCombineOp:
     (``dispatch``/``dispatch_send`` only send; ``dispatch_recv`` waits and finalises; likewise
     combine), on the ranks of one node; ``InterNode``, ``InterNodeV1`` and ``InterNodeV1LL``
     across nodes (``config.gpu_per_node`` ranks each) on the cpu runtime's host path, the legs to
-    other nodes through the SHMEM network transport (:mod:`mori.ep.internode`). With ``impl="triton"``
-    they run on their Triton kernels (:mod:`mori.ep.internode_kernels`: device-initiated streams
-    through the SHMEM proxy), without combine wire quantisation or routing replay yet
-    (:class:`~mori.core.errors.MoriBackendError`); on a GPU heap ``impl="auto"`` refuses them
-    until they have run there (their first GPU run did not finish).
+    other nodes through the SHMEM network transport (:mod:`mori.ep.internode`). On a GPU heap
+    (``impl="auto"``) and with ``impl="triton"`` they run on their Triton kernels
+    (:mod:`mori.ep.internode_kernels`: device-initiated streams through the SHMEM proxy; each call
+    returns once its kernels ended), without combine wire quantisation or routing replay yet
+    (:class:`~mori.core.errors.MoriBackendError`).
     """
 
     def __init__(self, config: EpDispatchCombineConfig, *, impl: str = "auto") -> None:
@@ -384,12 +378,7 @@ class EpDispatchCombineOp:
         ]
         far = [p for p in range(npes) if self._p_agree[p] is None]
         problem: Exception | None = None
-        if inter and impl == "auto" and self._agree.device.type != "cpu":
-            problem = MoriBackendError(
-                f"{func}: kernel_type {config.kernel_type.name} on the {self._agree.device.type} heap: "
-                f"{_GPU_INTERNODE_UNPROVEN}"
-            )
-        elif inter and kernels_requested(self._agree.device, impl) and config.quant_type != "none":
+        if inter and kernels_requested(self._agree.device, impl) and config.quant_type != "none":
             problem = MoriBackendError(
                 f"{func}: kernel_type {config.kernel_type.name} with quant_type={config.quant_type!r} on the "
                 f"kernel path: {_NO_INTERNODE_KERNELS}"
