@@ -87,8 +87,8 @@ def _node_per_rank(rank: int, nranks: int) -> None:
     os.environ["MORI_NODE_ID"] = str(rank)
 
 
-def _gloo(rank: int, port: int) -> Any:
-    """A 2-rank gloo group over loopback (the --nodes 2 baseline)."""
+def gloo_pair(rank: int, port: int) -> Any:
+    """A 2-rank gloo group over loopback (the --nodes 2 baseline); returns torch.distributed."""
     import datetime
 
     import torch.distributed as dist
@@ -107,7 +107,7 @@ def _gloo_baseline(rank: int, sizes: list[int], samples: int, pingpongs: int, po
     """PE 0's gloo times: per size, a send that PE 1 acknowledges; an 8-byte ping-pong."""
     import torch
 
-    dist = _gloo(rank, port)
+    dist = gloo_pair(rank, port)
     buf = torch.full((max(sizes),), 3, dtype=torch.uint8)
     ack = torch.zeros(1, dtype=torch.uint8)
     out: dict[str, Any] = {"send_s": []}

@@ -80,18 +80,11 @@ def _node_per_rank(rank: int, nranks: int) -> None:
 
 def _gloo_baseline(rank: int, sizes: list[int], samples: int, pingpongs: int, port: int) -> dict[str, Any]:
     """PE 0's gloo times, GPU bytes staged through pinned host memory (see the module docstring)."""
-    import datetime
-
     import torch
-    import torch.distributed as dist
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    from mori.shmem.bench import gloo_pair
+
+    dist = gloo_pair(rank, port)
     dev = torch.device("cuda", torch.cuda.current_device())
     gpu = torch.full((max(sizes),), 3, dtype=torch.uint8, device=dev)
     host = torch.empty(max(sizes), dtype=torch.uint8, pin_memory=True)
