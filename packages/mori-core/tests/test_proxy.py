@@ -3,9 +3,9 @@ and stores cannot reach, at 2 emulated nodes x 2 ranks over every network transp
 the proxy's checks (bad PE, address outside the heap, unregistered memory) and a full ring.
 
 Kernels live in ``_proxy_kernels.py`` (loaded by path after the launcher set TRITON_INTERPRET=1).
-The test marked ``cuda`` runs the same kernels compiled on one GPU, two PEs over the proxy; the last
-one runs the kernels of the two-node GPU benchmark (:mod:`mori.shmem.bench_proxy`) and the kernel
-loader.
+The tests marked ``cuda`` run the same kernels compiled on one GPU, two PEs over the proxy, and a
+launch loop through :class:`mori.shmem.loading.KernelLoader`; the last test runs the kernels of
+the two-node GPU benchmark (:mod:`mori.shmem.bench_proxy`) under the interpreter.
 """
 
 from __future__ import annotations
@@ -457,6 +457,61 @@ def test_device_api_through_the_proxy_on_one_gpu() -> None:
             "MORI_SHMEM_TRANSPORT": "ucx",
         },
     )
+
+
+def _gpu_pingpong_through_the_loader(rank: int, nranks: int) -> list[int]:
+    # One launch per step, the signal value as a kernel argument: values 1, 2 and 16 are three
+    # Triton specialisations, each loaded at its first use. Loaded while the previous step's wait
+    # runs, the load never returns (measured on an H200); the loader loads them first.
+    import torch
+
+    import mori.shmem as sh
+    from mori.shmem import device as shd
+    from mori.shmem.loading import KernelLoader
+
+    tk = _kernels()
+    ctx = shd.shmem_device_context()
+    peer = 1 - rank
+    dst = sh.mori_shmem_create_tensor((256,), torch.int32)
+    src = sh.mori_shmem_create_tensor((256,), torch.int32)
+    sig = sh.mori_shmem_create_tensor((2,), torch.int64)
+    seen = torch.zeros(1, dtype=torch.int64, device=dst.device)
+    src.fill_(rank + 1)
+    sig.zero_()
+    torch.cuda.synchronize()
+    sh.shmem_barrier_all()
+    loader = KernelLoader()
+    for i in range(1, 41):
+        put = (tk.put_signal_kernel, (1,), (dst, src, sig[rank:], 256, i, peer, ctx), {"BLOCK": 256})
+        wait = (tk.wait_kernel, (1,), (sig[peer:], i, seen), {})
+        loader.launch([put, wait] if rank == 0 else [wait, put])
+    torch.cuda.synchronize()
+    sh.shmem_barrier_all()
+    assert bool((dst == peer + 1).all()), "the last put did not land"
+    # Triton 3.6 specialises an int argument as 1, a multiple of 16, or neither: 3 per kernel
+    assert loader.loaded == 6, f"{loader.loaded} compiled kernels loaded, expected 3 per kernel"
+    return sig.cpu().tolist()
+
+
+@pytest.mark.cuda  # NVIDIA only: the proxy moves device memory through ucx's CUDA memory support
+@pytest.mark.skipif(
+    cuda_memory_transport() is None, reason="needs an NVIDIA GPU and a transport that moves CUDA memory (ucx)"
+)
+def test_kernel_loader_keeps_a_launch_loop_through_the_proxy_going_on_one_gpu() -> None:
+    got = shmem_ranks(
+        _gpu_pingpong_through_the_loader,
+        2,
+        heap="64M",
+        timeout=TIMEOUT,
+        env={
+            "TRITON_INTERPRET": "0",
+            "CUDA_MODULE_LOADING": "EAGER",
+            "MORI_DEVICE_RUNTIME": "cuda",
+            "MORI_DISABLE_P2P": "1",
+            "MORI_SHMEM_TRANSPORT": "ucx",
+        },
+    )
+    assert got == [[0, 40], [40, 0]]  # each PE's word of the peer holds the last step
 
 
 # -- the native proxy alone, in one process: two tcp instances over loopback -------------------------
