@@ -289,7 +289,7 @@ class InterNodeKernels:
 
         Its kernels wait on the proxy, whose transport moves GPU memory through the CUDA driver
         (UCX's cuda_ipc / cuda_copy); a synchronous call of the host meanwhile -- a ``.cpu()`` or
-        ``.item()`` of any tensor copies to pageable memory on the stream the kernels run on --
+        ``.item()`` of a tensor, a copy to pageable memory on the stream the kernels run on --
         stops those copies, and neither ever ends (one H200, 2 emulated nodes: the GPU test's
         ``.cpu()`` of the received rows hung; with this wait its rounds passed). Not while a CUDA
         graph is being captured: these kernels are not capturable."""

@@ -82,7 +82,6 @@ _NO_INTERNODE_KERNELS = (
 )
 
 
-#: why impl="auto" does not pick the inter-node kernels on a GPU heap (impl="triton" does)
 def _float8_types() -> tuple[torch.dtype, ...]:
     return tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz") if hasattr(torch, n))
 
