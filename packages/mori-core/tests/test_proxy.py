@@ -27,6 +27,14 @@ from mori.testing.gpu_shmem import cuda_memory_transport
 
 TIMEOUT = 150.0  # a device wait has no timeout: a broken proxy would hang the ranks
 BASE_ENV = {"TRITON_INTERPRET": "1", "MORI_BOOTSTRAP_TIMEOUT": "60"}
+#: the cuda tests: compiled kernels, two PEs on one GPU, every peer through the proxy over ucx
+GPU_ENV = {
+    "TRITON_INTERPRET": "0",
+    "CUDA_MODULE_LOADING": "EAGER",
+    "MORI_DEVICE_RUNTIME": "cuda",
+    "MORI_DISABLE_P2P": "1",
+    "MORI_SHMEM_TRANSPORT": "ucx",
+}
 
 
 def _kernels() -> ModuleType:
@@ -449,13 +457,7 @@ def test_device_api_through_the_proxy_on_one_gpu() -> None:
         2,
         heap="64M",
         timeout=TIMEOUT,
-        env={
-            "TRITON_INTERPRET": "0",
-            "CUDA_MODULE_LOADING": "EAGER",
-            "MORI_DEVICE_RUNTIME": "cuda",
-            "MORI_DISABLE_P2P": "1",
-            "MORI_SHMEM_TRANSPORT": "ucx",
-        },
+        env=GPU_ENV,
     )
 
 
@@ -503,13 +505,7 @@ def test_kernel_loader_keeps_a_launch_loop_through_the_proxy_going_on_one_gpu() 
         2,
         heap="64M",
         timeout=TIMEOUT,
-        env={
-            "TRITON_INTERPRET": "0",
-            "CUDA_MODULE_LOADING": "EAGER",
-            "MORI_DEVICE_RUNTIME": "cuda",
-            "MORI_DISABLE_P2P": "1",
-            "MORI_SHMEM_TRANSPORT": "ucx",
-        },
+        env=GPU_ENV,
     )
     assert got == [[0, 40], [40, 0]]  # each PE's word of the peer holds the last step
 
