@@ -18,7 +18,8 @@ One run on one GPU, ``--ranks`` ranks sharing it (start MPS first: ``nvidia-cuda
 Exit status 0 only if every bar is met. ``--out FILE`` writes the JSON record. ``--profile DIR``
 also runs a few calls of each (layout kernel, MORI dispatch, layer dispatch with views) under
 ``torch.profiler`` after the timed runs and writes, per rank, where host and device time went
-(``DIR/rank<r>.txt``: the host wall time per call and torch's table by self CPU time).
+(``DIR/rank<r>.txt``: the host wall time per call and torch's table by self CPU time; and each
+call's timeline, ``DIR/rank<r>-<call>.trace.json``, for Perfetto or chrome://tracing).
 
     python tools/ep_deepep_gpu_check.py --ranks 2 --sms 66 --out ep-deepep-h200.json
 """
@@ -199,6 +200,8 @@ def _profile(out_dir: str, rank: int, calls: dict[str, Any], n: int = 5) -> None
         host_us = ", ".join(f"{h * 1e6:.0f}" for h in host)
         lines += [f"== {name}: host wall per call (us, no sync inside the timing): {host_us}"]
         lines += [prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), ""]
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(Path(out_dir, f"rank{rank}-{name.replace(' ', '_')}.trace.json")))
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     Path(out_dir, f"rank{rank}.txt").write_text("\n".join(lines))
 
