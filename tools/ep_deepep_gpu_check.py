@@ -185,6 +185,7 @@ def _profile(out_dir: str, rank: int, calls: dict[str, Any], n: int = 5) -> None
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     lines: list[str] = []
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     for name, fn in calls.items():
         host = []
         with torch.profiler.profile(activities=activities) as prof:
@@ -200,9 +201,7 @@ def _profile(out_dir: str, rank: int, calls: dict[str, Any], n: int = 5) -> None
         host_us = ", ".join(f"{h * 1e6:.0f}" for h in host)
         lines += [f"== {name}: host wall per call (us, no sync inside the timing): {host_us}"]
         lines += [prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), ""]
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(Path(out_dir, f"rank{rank}-{name.replace(' ', '_')}.trace.json")))
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
     Path(out_dir, f"rank{rank}.txt").write_text("\n".join(lines))
 
 

@@ -503,9 +503,10 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-def _send_head(in_rank: torch.Tensor) -> torch.Tensor:
-    """int32 [N, W]: position of token t among the rows rank r receives from this rank, -1 if none."""
-    return torch.where(in_rank, _within(in_rank).t(), -1).contiguous()
+def _send_head(in_rank: torch.Tensor, within: torch.Tensor) -> torch.Tensor:
+    """int32 [N, W]: position of token t among the rows rank r receives from this rank, -1 if
+    none (``within``: :func:`_within` of ``in_rank``)."""
+    return torch.where(in_rank, within.t(), -1).contiguous()
 
 
 def _within(in_rank: torch.Tensor) -> torch.Tensor:
@@ -1033,7 +1034,6 @@ class Buffer:
             int(topk_idx is not None),
             k,
         ]
-        # (host values go over with non_blocking copies: a blocking one waits for the stream)
         row = torch.cat(
             [
                 _to_device(torch.tensor([n]), self.device),
@@ -1062,7 +1062,8 @@ class Buffer:
         op = self._op("normal", m, hidden, elem, e_local, k, math.ceil(hidden / FP8_GROUP), slot)
         # rows land where DeepEP puts them: source rank by source rank, each source's by token, so
         # the operator replays a layout made here instead of reserving slots (no reordering after)
-        routing = self._placement(op, is_token_in_rank, prefix - sent, total)
+        within = _within(is_token_in_rank)  # (one scan: the placement and the handle's send head)
+        routing = self._placement(op, is_token_in_rank, within, prefix - sent, total)
         op.dispatch(data, topk_weights, scales, idx32, block_num=blocks, routing=routing)
         self._snapshot(op, routing)
 
@@ -1075,7 +1076,7 @@ class Buffer:
             ),
             recv_src_idx,
             is_token_in_rank,
-            _send_head(is_token_in_rank),
+            _send_head(is_token_in_rank, within),
         )
         h = DispatchHandle(
             items,
@@ -1117,15 +1118,21 @@ class Buffer:
         return slot
 
     def _placement(
-        self, op: EpDispatchCombineOp, in_rank: torch.Tensor, base: torch.Tensor, total: int
+        self,
+        op: EpDispatchCombineOp,
+        in_rank: torch.Tensor,
+        within: torch.Tensor,
+        base: torch.Tensor,
+        total: int,
     ) -> EpDispatchRoutingHandle:
         """A routing handle placing this rank's token ``t`` on rank ``p`` at row ``base[rank, p] +
-        (index of t among this rank's tokens sent to p)``: DeepEP's order, from the counts alone."""
+        (index of t among this rank's tokens sent to p)``: DeepEP's order, from the counts alone
+        (``within``: :func:`_within` of ``in_rank``, that index)."""
         n = in_rank.shape[0]
         w, m = self.group_size, op.max_num_tokens_to_send_per_rank()
         offs = _to_device(base[self.rank].to(torch.int32), self.device)
         dest = torch.full((w, m), -1, dtype=torch.int32, device=self.device)
-        dest[:, :n] = torch.where(in_rank.t(), _within(in_rank) + offs[:, None], -1)
+        dest[:, :n] = torch.where(in_rank.t(), within + offs[:, None], -1)
         total_t = torch.full((1,), total, dtype=torch.int32, device=self.device)
         return EpDispatchRoutingHandle(dest, total_t, op.buffers.recv_src[:total], n)
 
