@@ -129,6 +129,7 @@ def _rank(rank: int, nranks: int, factory: str, rdv: str, env: dict[str, str]) -
             ep.atomic(T.OP_ADD, T.WORD_UINT32, rank + 1, 0, base + a32, rk).wait(30_000)
         r = ep.atomic(T.OP_SWAP, T.WORD_UINT32, 7 + rank, 0, base + a32 + 8, rk)
         r.wait(30_000)
+    ep.flush().wait(30_000)  # a completed request is only local completion: the adds landed by now
     barrier("atomics")
     if tp.caps & T.CAP_ATOMIC64:
         # the peer added (peer+1)*1000*ROUNDS + sum(range(ROUNDS)) to my word
@@ -169,6 +170,10 @@ def _rank(rank: int, nranks: int, factory: str, rdv: str, env: dict[str, str]) -
         pass
     assert not errors, errors
     ep.put(buf.data_ptr(), mem, base + 4096, rk, 8).wait(30_000)
+    # The put's completion is local: without the flush it can still be on the wire when the peer
+    # passes the barrier and frees its buffer, and a transport that writes on the target's side
+    # (UCX over TCP) then writes into freed memory (a segfault in ucp_put_handler, seen in CI).
+    ep.flush().wait(30_000)
     barrier("errors")
     out["errors"] = "ok"
     return out
