@@ -85,6 +85,8 @@ DEFAULT_TOKENS = {"cuda": [4096, 128], "cpu": [512, 128]}
 DEFAULT_ITERS = {"cuda": 50, "cpu": 10}
 DEFAULT_WARMUP = {"cuda": 5, "cpu": 1}
 DEFAULT_REPS = {"cuda": 10, "cpu": 1}
+#: with --trace: rounds of (untraced, traced) timings, alternating, each with --iters samples
+TRACE_ROUNDS = 4
 #: channels per fp8 scale (DeepEP's per-token, per-128-channel format)
 FP8_BLOCK = 128
 FP8_MAX = 448.0
@@ -188,8 +190,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--trace",
         default=None,
         metavar="DIR",
-        help="also time dispatch and combine with tracing compiled in and on (mori.viz), next to the "
-        "untraced kernels, and write each rank's trace to DIR/<tokens>-<dtype>/ (GPU kernels only)",
+        help="also time dispatch and combine with tracing compiled in and on (mori.viz), alternating "
+        f"with the untraced kernels ({TRACE_ROUNDS} rounds of each, samples pooled), and write each "
+        "rank's trace to DIR/<tokens>-<dtype>/ (GPU kernels only)",
     )
 
 
@@ -589,14 +592,22 @@ def _case(
     ours = []
     trace_buf = None
     for sms in spec["sms"]:
-        d = timer(functools.partial(dispatch, sms), capture=True)
-        c = timer(functools.partial(combine, sms), capture=True)
-        ours.append({"sms": sms, "dispatch": d, "combine": c})
-        if spec["trace"]:  # the same calls with the traced kernels, right after the untraced ones
-            trace_buf = op.enable_tracing(trace_buf)
-            ours[-1]["dispatch_traced"] = timer(functools.partial(dispatch, sms), capture=True)
-            ours[-1]["combine_traced"] = timer(functools.partial(combine, sms), capture=True)
-            op.disable_tracing()
+        times: dict[str, Any] = {"sms": sms}
+
+        def add(key: str, t: dict[str, Any]) -> None:
+            times.setdefault(key, {"samples": [], "mode": t["mode"]})["samples"] += t["samples"]
+
+        # with --trace, untraced and traced alternate TRACE_ROUNDS times and each pools its
+        # samples: a drift of the clocks or of the other MPS client then falls on both alike
+        for _ in range(TRACE_ROUNDS if spec["trace"] else 1):
+            add("dispatch", timer(functools.partial(dispatch, sms), capture=True))
+            add("combine", timer(functools.partial(combine, sms), capture=True))
+            if spec["trace"]:
+                trace_buf = op.enable_tracing(trace_buf)
+                add("dispatch_traced", timer(functools.partial(dispatch, sms), capture=True))
+                add("combine_traced", timer(functools.partial(combine, sms), capture=True))
+                op.disable_tracing()
+        ours.append(times)
     if trace_buf is not None:
         from mori import viz
 
