@@ -805,7 +805,9 @@ def _report(spec: dict[str, Any], results: list[dict[str, Any]], rows: list[dict
     )
     print(
         "latency: median [p10-p90] us per call of the slowest rank over "
-        f"{spec['iters']} measurements of {spec['reps']} call(s); GB/s: per rank, mean over ranks, 1 GB = 1e9 B"
+        f"{spec['iters'] * (TRACE_ROUNDS if spec['trace'] else 1)} measurements of {spec['reps']} call(s)"
+        + (f" ({TRACE_ROUNDS} rounds, alternating with the traced calls)" if spec["trace"] else "")
+        + "; GB/s: per rank, mean over ranks, 1 GB = 1e9 B"
     )
     print(
         bench.format_table(
@@ -867,7 +869,7 @@ def _report(spec: dict[str, Any], results: list[dict[str, Any]], rows: list[dict
         print(f"baseline not run: {spec['baseline_skipped']}")
     if rows and "traced" in rows[0]:
         print(
-            "tracing compiled in and on (mori.viz) vs off, same calls, timed right after (traced/untraced):"
+            f"tracing compiled in and on (mori.viz) vs off, same calls, {TRACE_ROUNDS} alternating rounds (traced/untraced):"
         )
         for r in rows:
             t = r["traced"]
