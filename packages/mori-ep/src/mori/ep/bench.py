@@ -500,6 +500,11 @@ class _Timer:
         return {"samples": samples, "mode": f"wall clock (perf_counter) around {calls}"}
 
 
+def _pool(times: dict[str, Any], key: str, t: dict[str, Any]) -> None:
+    """Add the samples of timing ``t`` to ``times[key]`` (created by the first)."""
+    times.setdefault(key, {"samples": [], "mode": t["mode"]})["samples"] += t["samples"]
+
+
 def _case(
     rank: int, nranks: int, spec: dict[str, Any], tokens: int, dtype: str, dev: torch.device
 ) -> dict[str, Any]:
@@ -593,19 +598,15 @@ def _case(
     trace_buf = None
     for sms in spec["sms"]:
         times: dict[str, Any] = {"sms": sms}
-
-        def add(key: str, t: dict[str, Any]) -> None:
-            times.setdefault(key, {"samples": [], "mode": t["mode"]})["samples"] += t["samples"]
-
         # with --trace, untraced and traced alternate TRACE_ROUNDS times and each pools its
         # samples: a drift of the clocks or of the other MPS client then falls on both alike
         for _ in range(TRACE_ROUNDS if spec["trace"] else 1):
-            add("dispatch", timer(functools.partial(dispatch, sms), capture=True))
-            add("combine", timer(functools.partial(combine, sms), capture=True))
+            _pool(times, "dispatch", timer(functools.partial(dispatch, sms), capture=True))
+            _pool(times, "combine", timer(functools.partial(combine, sms), capture=True))
             if spec["trace"]:
                 trace_buf = op.enable_tracing(trace_buf)
-                add("dispatch_traced", timer(functools.partial(dispatch, sms), capture=True))
-                add("combine_traced", timer(functools.partial(combine, sms), capture=True))
+                _pool(times, "dispatch_traced", timer(functools.partial(dispatch, sms), capture=True))
+                _pool(times, "combine_traced", timer(functools.partial(combine, sms), capture=True))
                 op.disable_tracing()
         ours.append(times)
     if trace_buf is not None:
