@@ -197,7 +197,7 @@ class TraceBuffer:
         self.rank = _default_rank() if rank is None else rank
         self.name = name
         self.nominal_ghz = nominal_ghz(self.device)
-        words = torch.zeros(layout.buffer_words(self.n_rings, self.capacity), dtype=torch.int64)
+        words = torch.zeros(layout.device_words(self.n_rings, self.capacity), dtype=torch.int64)
         init_header(words, self.n_rings, self.capacity)
         #: the buffer, int64 ``[words]``: the ``trace_ptr`` argument of instrumented kernels
         self.tensor = words.to(self.device)
@@ -224,8 +224,10 @@ class TraceBuffer:
         self.tensor[start : layout.events_offset(self.n_rings)].zero_()
 
     def words(self) -> np.ndarray:
-        """A host copy of the whole buffer (synchronises with the device)."""
-        return np.array(self.tensor.detach().to("cpu").numpy(), dtype=np.int64)
+        """A host copy of the buffer, without the allocation's padding (synchronises with the
+        device; :attr:`tensor` is :func:`mori.viz.layout.device_words` long)."""
+        n = layout.buffer_words(self.n_rings, self.capacity)
+        return np.array(self.tensor[:n].detach().to("cpu").numpy(), dtype=np.int64)
 
     def read(self) -> RingData:
         """The events recorded so far (see :func:`parse_rings`); the device must be idle."""

@@ -33,8 +33,17 @@ back (``tr = vd.begin(tr, ...)``), including inside loops and branches. :func:`c
 writes the cursor back; a kernel that does not call it leaves its events unpublished.
 
 **Cost when on**, per program and launch: four header loads at :func:`open_trace` (issued
-together, one memory round trip), two stores at :func:`close_trace`, and per event one timer read
-and two 8-byte stores by one thread, which the program does not wait for.
+together, one memory round trip: the buffer is allocated with room for every ring's row,
+:data:`mori.viz.layout.MIN_DEVICE_WORDS`), two stores at :func:`close_trace`, and per event one
+timer read and two 8-byte stores by one thread, which the program does not wait for. Measured on
+an H200 (64 programs of 8 warps, a CUDA graph of 20 launches, each program a chain of dependent
+loads with one event per load): 0.23 us more per launch than the untraced kernel with 2 events per
+program, 0.27 us with 16 (0.37 and 0.42 us when the ring's row was read only after the header
+arrived); a timer read alone costs nothing measurable.
+
+**Buffers.** A kernel records into a :class:`mori.viz.TraceBuffer`'s ``tensor`` (or any int64
+buffer of :func:`mori.viz.layout.device_words` words with its header): one of only
+:func:`~mori.viz.layout.buffer_words` words would let programs read past its end.
 
 **What is recorded.** One ring per program (the flattened program id); programs beyond the
 buffer's ``n_rings`` record nothing. Triton runs all warps of a program through the same code and
@@ -82,6 +91,7 @@ __all__ = [
 _H_RINGS = tl.constexpr(layout.H_RINGS)
 _H_CAPACITY = tl.constexpr(layout.H_CAPACITY)
 _HEADER_WORDS = tl.constexpr(layout.HEADER_WORDS)
+_MAX_RINGS = tl.constexpr(layout.MAX_RINGS)
 _RING_WORDS = tl.constexpr(layout.RING_WORDS)
 _EVENT_WORDS = tl.constexpr(layout.EVENT_WORDS)
 _BEGIN = tl.constexpr(layout.BEGIN)
@@ -143,12 +153,15 @@ def open_trace(trace_ptr, TRACE: tl.constexpr):
     """
     if TRACE:
         ring = _ring_id()
+        # the four loads do not wait for each other (one memory round trip): the ring's row is
+        # inside the allocation for any id below MAX_RINGS (layout.MIN_DEVICE_WORDS), and what a
+        # program beyond n_rings reads there is ignored, as it then stores nothing
+        ring_ptr = trace_ptr + _HEADER_WORDS + tl.minimum(ring, _MAX_RINGS - 1) * _RING_WORDS
         n_rings = tl.load(trace_ptr + _H_RINGS)
         capacity = tl.load(trace_ptr + _H_CAPACITY)
+        written = tl.load(ring_ptr)
+        launch = tl.load(ring_ptr + 1)
         ok = ring < n_rings
-        ring_ptr = trace_ptr + _HEADER_WORDS + ring * _RING_WORDS
-        written = tl.load(ring_ptr, mask=ok, other=0)
-        launch = tl.load(ring_ptr + 1, mask=ok, other=0)
         events_ptr = trace_ptr + (_HEADER_WORDS + n_rings * _RING_WORDS + ring * capacity * _EVENT_WORDS)
         state = (events_ptr, written, capacity - 1, launch << _LAUNCH_SHIFT, ok, ring_ptr, launch)
     else:
