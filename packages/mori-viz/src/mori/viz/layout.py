@@ -98,7 +98,7 @@ MIN_DEVICE_WORDS = HEADER_WORDS + RING_WORDS * MAX_RINGS
 
 def device_words(n_rings: int, capacity: int) -> int:
     """Words to allocate for a buffer kernels record into: :func:`buffer_words`, padded at the end
-    to :data:`MIN_DEVICE_WORDS` (1 MiB; a buffer of 256 rings x 4096 events needs no padding)."""
+    to :data:`MIN_DEVICE_WORDS` (1 MiB and 64 bytes; a buffer of 256 rings x 4096 events needs no padding)."""
     return max(buffer_words(n_rings, capacity), MIN_DEVICE_WORDS)
 
 
