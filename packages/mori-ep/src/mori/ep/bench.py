@@ -500,6 +500,11 @@ class _Timer:
         return {"samples": samples, "mode": f"wall clock (perf_counter) around {calls}"}
 
 
+def _rounds(spec: dict[str, Any]) -> int:
+    """Timing rounds of each call: TRACE_ROUNDS with --trace (untraced and traced alternate), else 1."""
+    return TRACE_ROUNDS if spec["trace"] else 1
+
+
 def _pool(times: dict[str, Any], key: str, t: dict[str, Any]) -> None:
     """Add the samples of timing ``t`` to ``times[key]`` (created by the first)."""
     times.setdefault(key, {"samples": [], "mode": t["mode"]})["samples"] += t["samples"]
@@ -600,7 +605,7 @@ def _case(
         times: dict[str, Any] = {"sms": sms}
         # with --trace, untraced and traced alternate TRACE_ROUNDS times and each pools its
         # samples: a drift of the clocks or of the other MPS client then falls on both alike
-        for _ in range(TRACE_ROUNDS if spec["trace"] else 1):
+        for _ in range(_rounds(spec)):
             _pool(times, "dispatch", timer(functools.partial(dispatch, sms), capture=True))
             _pool(times, "combine", timer(functools.partial(combine, sms), capture=True))
             if spec["trace"]:
@@ -806,7 +811,7 @@ def _report(spec: dict[str, Any], results: list[dict[str, Any]], rows: list[dict
     )
     print(
         "latency: median [p10-p90] us per call of the slowest rank over "
-        f"{spec['iters'] * (TRACE_ROUNDS if spec['trace'] else 1)} measurements of {spec['reps']} call(s)"
+        f"{spec['iters'] * _rounds(spec)} measurements of {spec['reps']} call(s)"
         + (f" ({TRACE_ROUNDS} rounds, alternating with the traced calls)" if spec["trace"] else "")
         + "; GB/s: per rank, mean over ranks, 1 GB = 1e9 B"
     )
