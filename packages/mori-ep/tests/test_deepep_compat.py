@@ -387,3 +387,103 @@ def _layout_kernel(rank: int, world: int) -> str:
 def test_layout_kernel_matches_torch() -> None:
     pytest.importorskip("triton")
     assert run_ranks(_layout_kernel, 1, env={"TRITON_INTERPRET": "1"}, timeout=120) == ["ok"]
+
+
+# -- the dispatch handle's bookkeeping kernels (interpreter) against the torch path -------------------
+
+
+def _gathered(gen: torch.Generator, w: int, rank: int, n: int, in_rank: torch.Tensor) -> torch.Tensor:
+    """A table as the all-gather leaves it: row s = [n_s, sent to rank 0..w-1, 7 other words];
+    this rank's row from ``in_rank``, the others at random (at most n_s to each rank)."""
+    table = torch.zeros(w, 1 + w + 7, dtype=torch.int64)
+    for s in range(w):
+        n_s = n if s == rank else int(torch.randint(0, 40, (1,), generator=gen))
+        table[s, 0] = n_s
+        table[s, 1 : 1 + w] = in_rank.sum(0) if s == rank else torch.randint(0, n_s + 1, (w,), generator=gen)
+    table[:, 1 + w :] = 99  # never read as counts
+    return table
+
+
+def _handle_kernels(rank: int, world: int, device: str = "cpu") -> str:
+    """The kernels (interpreted on the CPU, compiled and relaunched on a GPU) against torch."""
+    from mori.ep import deepep_handle
+
+    dev = torch.device(device)
+
+    for seed, (w, me, n, channels, k, dt, pad) in enumerate(
+        [
+            (2, 0, 150, 3, 8, torch.int64, 0),
+            (2, 1, 150, 33, 8, torch.int64, 5),
+            (3, 2, 65, 4, 6, torch.int32, 0),
+            (8, 5, 10, 12, 9, torch.int64, 3),  # more channels than tokens: empty channels
+            (4, 1, 0, 2, 1, torch.int64, 2),  # no tokens
+            (5, 3, 1100, 7, 0, None, 0),  # no top-k; more than one step of the kernels' loops
+        ]
+    ):
+        gen = torch.Generator().manual_seed(seed)
+        in_rank = torch.rand(n, w, generator=gen) < 0.4
+        table = _gathered(gen, w, me, n, in_rank)
+        m = max(16, 1 << max(0, max(n, int(table[:, 0].max())) - 1).bit_length())
+        in_rank_d, table_d = in_rank.to(dev), table.to(dev)
+        for _ in range(2):  # (on a GPU the second call is a relaunch of the compiled kernel)
+            got = deepep_handle.send_side(in_rank_d, table_d, table, me, m, channels, impl="triton")
+        want = deepep_handle.send_side(in_rank_d, table_d, table, me, m, channels, impl="torch")
+        got = deepep_handle.SendSide(
+            *(t.cpu() for t in (got.dest, got.total, got.send_head, got.channel_prefix))
+        )
+        for name in ("dest", "total", "send_head", "channel_prefix"):
+            g, r = getattr(got, name), getattr(want, name)
+            assert g.dtype == r.dtype == torch.int32 and torch.equal(g, r), (name, seed)
+        # independently: the sent tokens of each rank p land on consecutive rows after what lower
+        # ranks send p, in token order
+        for p in range(w):
+            rows_p = got.dest[p, :n][in_rank[:, p]]
+            base = int(table[:me, 1 + p].sum())
+            assert torch.equal(rows_p, torch.arange(base, base + len(rows_p), dtype=torch.int32)), (p, seed)
+            assert bool(
+                (got.dest[p][torch.cat([~in_rank[:, p], torch.ones(m - n, dtype=torch.bool)])] == -1).all()
+            )
+        assert int(got.total) == int(table[:, 1 + me].sum())
+
+        # receive side: rows of source s are s's sent tokens in order (flat positions s * W * M + tok)
+        total = int(table[:, 1 + me].sum())
+        pos = []
+        for s in range(w):
+            toks = (
+                torch.randperm(max(1, int(table[s, 0])), generator=gen)[: int(table[s, 1 + me])].sort().values
+            )
+            pos.append(s * w * m + toks)
+        recv_src_pos = torch.cat(pos).to(torch.int32) if pos else torch.zeros(0, dtype=torch.int32)
+        topk = None
+        if k:
+            e_local = 4
+            gidx = torch.randint(-1, w * e_local, (total + 3, k), generator=gen, dtype=torch.int32)
+            gw = torch.rand(total + 3, k, generator=gen)
+            topk = (gidx.to(dev), gw.to(dev), e_local, dt)
+        args = (table_d, table, me, recv_src_pos.to(dev), w * m, channels, total + pad, topk)
+        for _ in range(2):
+            got_r = deepep_handle.recv_side(*args, impl="triton")
+        want_r = deepep_handle.recv_side(*args, impl="torch")
+        for name in ("rank_prefix", "recv_channel_prefix", "recv_src_idx", "recv_idx", "recv_w"):
+            g, r = getattr(got_r, name), getattr(want_r, name)
+            if r is None:
+                assert g is None, (name, seed)
+                continue
+            assert g.dtype == r.dtype and g.shape == r.shape and torch.equal(g.cpu(), r.cpu()), (name, seed)
+        assert torch.equal(got_r.rank_prefix.cpu(), torch.cumsum(table[:, 1 : 1 + w], 0).int())
+        if k:
+            assert got_r.recv_idx is not None and got_r.recv_w is not None
+            assert bool((got_r.recv_idx[total:] == -1).all()) and bool((got_r.recv_w[total:] == 0).all())
+    return "ok"
+
+
+def test_handle_kernels_match_torch() -> None:
+    pytest.importorskip("triton")
+    assert run_ranks(_handle_kernels, 1, env={"TRITON_INTERPRET": "1"}, timeout=180) == ["ok"]
+
+
+@pytest.mark.gpu
+def test_handle_kernels_match_torch_on_a_gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip(f"needs a GPU: torch {torch.__version__} sees none")
+    assert run_ranks(_handle_kernels, 1, "cuda", env={"TRITON_INTERPRET": "0"}, timeout=300) == ["ok"]

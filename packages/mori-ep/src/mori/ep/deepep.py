@@ -102,7 +102,7 @@ import torch
 import mori.shmem as shmem
 from mori.core.env import EnvVar, parse_bool
 from mori.core.errors import MoriBackendError, MoriStateError, bad_type, bad_value
-from mori.ep import agreement, layout
+from mori.ep import agreement, deepep_handle, layout
 from mori.ep.config import MAX_EXPERTS_PER_TOKEN, EpDispatchCombineConfig, EpDispatchCombineKernelType
 from mori.ep.op import IMPLS, EpDispatchCombineOp, EpDispatchRoutingHandle
 
@@ -503,20 +503,6 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-def _send_head(in_rank: torch.Tensor, within: torch.Tensor) -> torch.Tensor:
-    """int32 [N, W]: position of token t among the rows rank r receives from this rank, -1 if
-    none (``within``: :func:`_within` of ``in_rank``)."""
-    return torch.where(in_rank, within.t(), -1).contiguous()
-
-
-def _within(in_rank: torch.Tensor) -> torch.Tensor:
-    """int32 [W, N]: the running count of ``in_rank`` [N, W] down each column, minus one. Scanned
-    along rows of the transpose: torch's cumsum down dim 0 of a narrow [N, W] took ~0.2 ms on an
-    H200 at N = 4096, W = 2 (most of the layer's dispatch device time, profiled)."""
-    cols = in_rank.t().to(torch.int32).contiguous()
-    return torch.cumsum(cols, dim=1, dtype=torch.int32) - 1
-
-
 # -- the buffer ------------------------------------------------------------------------------------
 
 
@@ -620,6 +606,7 @@ class Buffer:
         self._recv_views = bool(MORI_EP_DEEPEP_RECV_VIEWS.get())
         self._slots: dict[tuple[Any, ...], int] = {}
         self._layout_impl = "triton" if impl == "triton" else "auto"
+        self._handle_impl = "triton" if impl == "triton" else "auto"
         self._combine_bufs: dict[tuple[int, ...], torch.Tensor] = {}
         self._destroyed = False
         shmem.shmem_barrier_all()
@@ -764,17 +751,18 @@ class Buffer:
         return entry
 
     def _allgather(self, row: torch.Tensor) -> torch.Tensor:
-        """All-gather one int64 row from every rank -> [group_size, row.numel()]. Collective.
+        """All-gather one int64 row from every rank -> [group_size, row.numel()], a view of the
+        symmetric table, valid until the second call after this one. Collective.
 
-        Two tables alternate: a rank reuses one only after the next call's barrier, which every
-        rank reaches after reading it."""
+        Two tables alternate: a peer writes this one again only after the next call's barrier,
+        which this rank's stream reaches after everything it queued before that call."""
         table, peers, calls = self._table(row.numel())
         par = calls[0] % 2
         calls[0] += 1
         for peer in peers:
             peer[par, self.rank] = row
         shmem.shmem_barrier_on_stream()
-        return table[par].clone()
+        return table[par]
 
     def _op(
         self,
@@ -1034,24 +1022,24 @@ class Buffer:
             int(topk_idx is not None),
             k,
         ]
+        head = _to_device(torch.tensor([n, *words]), self.device)
         row = torch.cat(
             [
-                _to_device(torch.tensor([n]), self.device),
+                head[:1],
                 num_tokens_per_rank.to(torch.int64),
                 num_tokens_per_expert.to(device=self.device, dtype=torch.int64),
-                _to_device(torch.tensor(words), self.device),
+                head[1:],
             ]
         )
-        table = self._allgather(row).cpu()
+        gathered = self._allgather(row)
+        table = gathered.cpu()
         err = agreement.mismatch(
             func, "each dispatch call's arguments", _NORMAL_FIELDS, table[:, -len(words) :], self.rank
         )
         if err is not None:
             raise err
         m = _pow2_at_least(int(table[:, 0].max()))
-        sent = table[:, 1 : 1 + w]  # [source, destination]
-        prefix = torch.cumsum(sent, dim=0)
-        total = int(prefix[-1, self.rank])
+        total = int(table[:, 1 + self.rank].sum())
         rows = num_worst_tokens or total
         if num_worst_tokens and total > num_worst_tokens:
             raise bad_value(
@@ -1062,21 +1050,32 @@ class Buffer:
         op = self._op("normal", m, hidden, elem, e_local, k, math.ceil(hidden / FP8_GROUP), slot)
         # rows land where DeepEP puts them: source rank by source rank, each source's by token, so
         # the operator replays a layout made here instead of reserving slots (no reordering after)
-        within = _within(is_token_in_rank)  # (one scan: the placement and the handle's send head)
-        routing = self._placement(op, is_token_in_rank, within, prefix - sent, total)
+        num_channels = (config or self.get_dispatch_config(w)).num_sms // 2
+        send = deepep_handle.send_side(
+            is_token_in_rank, gathered, table, self.rank, op.max_num_tokens_to_send_per_rank(), num_channels,
+            self._handle_impl,
+        )  # fmt: skip
+        routing = EpDispatchRoutingHandle(send.dest, send.total, op.buffers.recv_src[:total], n)
         op.dispatch(data, topk_weights, scales, idx32, block_num=blocks, routing=routing)
         self._snapshot(op, routing)
-
-        num_channels = (config or self.get_dispatch_config(w)).num_sms // 2
-        recv_src_idx = (routing.recv_src_pos.to(torch.int64) % op.max_num_tokens_to_send()).to(torch.int32)
+        recv = deepep_handle.recv_side(
+            gathered,
+            table,
+            self.rank,
+            routing.recv_src_pos,
+            op.max_num_tokens_to_send(),
+            num_channels,
+            rows,
+            None if topk_idx is None else (op.buffers.recv_idx, op.buffers.recv_w, e_local, topk_idx.dtype),
+            self._handle_impl,
+        )
         items = (
-            _to_device(prefix.to(torch.int32), self.device),
-            *self._channel_matrices(
-                is_token_in_rank, recv_src_idx, table[:, 0], sent[:, self.rank], num_channels
-            ),
-            recv_src_idx,
+            recv.rank_prefix,
+            send.channel_prefix,
+            recv.recv_channel_prefix,
+            recv.recv_src_idx,
             is_token_in_rank,
-            _send_head(is_token_in_rank, within),
+            send.send_head,
         )
         h = DispatchHandle(
             items,
@@ -1091,16 +1090,7 @@ class Buffer:
         recv_scales = None
         if scales is not None:
             recv_scales = self._recv_rows(op.buffers.recv_scales, scales.dtype, scales.shape[1], total, rows)
-        recv_idx: torch.Tensor | None = None
-        recv_w: torch.Tensor | None = None
-        if topk_idx is not None:
-            glob = op.buffers.recv_idx[:total]
-            local = glob.to(torch.int64) - self.rank * e_local
-            mine = (glob >= 0) & (local >= 0) & (local < e_local)
-            recv_idx = torch.full((rows, k), -1, dtype=topk_idx.dtype, device=self.device)
-            recv_idx[:total] = torch.where(mine, local, -1).to(topk_idx.dtype)
-            recv_w = torch.zeros(rows, k, dtype=torch.float32, device=self.device)
-            recv_w[:total] = torch.where(mine, op.buffers.recv_w[:total], 0.0)
+        recv_idx, recv_w = recv.recv_idx, recv.recv_w
         base = 1 + w + self.rank * e_local
         per_local = table[:, base : base + e_local].sum(0)
         aligned = (per_local + expert_alignment - 1) // expert_alignment * expert_alignment
@@ -1117,61 +1107,12 @@ class Buffer:
         self._slots[key] = slot
         return slot
 
-    def _placement(
-        self,
-        op: EpDispatchCombineOp,
-        in_rank: torch.Tensor,
-        within: torch.Tensor,
-        base: torch.Tensor,
-        total: int,
-    ) -> EpDispatchRoutingHandle:
-        """A routing handle placing this rank's token ``t`` on rank ``p`` at row ``base[rank, p] +
-        (index of t among this rank's tokens sent to p)``: DeepEP's order, from the counts alone
-        (``within``: :func:`_within` of ``in_rank``, that index)."""
-        n = in_rank.shape[0]
-        w, m = self.group_size, op.max_num_tokens_to_send_per_rank()
-        offs = _to_device(base[self.rank].to(torch.int32), self.device)
-        dest = torch.full((w, m), -1, dtype=torch.int32, device=self.device)
-        dest[:, :n] = torch.where(in_rank.t(), within + offs[:, None], -1)
-        total_t = torch.full((1,), total, dtype=torch.int32, device=self.device)
-        return EpDispatchRoutingHandle(dest, total_t, op.buffers.recv_src[:total], n)
-
     def _snapshot(self, op: EpDispatchCombineOp, routing: EpDispatchRoutingHandle) -> None:
         """Keep what combine needs of this dispatch after the operator's tables are overwritten:
         the received rows' source positions and, on the kernels, the receiver's slot table."""
         routing.recv_src_pos = routing.recv_src_pos.clone()
         if op._kern is not None:
             routing.recv_slot = op._kern.recv_slot.clone()
-
-    def _channel_matrices(
-        self,
-        in_rank: torch.Tensor,
-        recv_src_idx: torch.Tensor,
-        num_tokens: torch.Tensor,
-        recv_counts: torch.Tensor,
-        channels: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(channel_prefix_matrix, recv_channel_prefix_matrix), see :class:`DispatchHandle`."""
-        w, n, dev = self.group_size, in_rank.shape[0], self.device
-        per = max(1, -(-n // channels))
-        ch = torch.arange(n, device=dev) // per
-        send = torch.zeros(w, channels, dtype=torch.int32, device=dev)
-        send.index_add_(1, ch, in_rank.t().to(torch.int32))
-        # the received rows of source s are its tokens in order; their channel on s. On the
-        # device, with the size known here: torch's CPU repeat_interleave took 7 ms per call on an
-        # H200 host (2 ranks, its thread pool waking), the device one with output_size syncs nothing
-        counts = _to_device(recv_counts, dev)
-        src_rank = torch.repeat_interleave(
-            torch.arange(w, device=dev), counts, output_size=int(recv_counts.sum())
-        )
-        per_src = _to_device(torch.clamp(-(-num_tokens // channels), min=1), dev)
-        rch = recv_src_idx.to(torch.int64) // per_src[src_rank]
-        cnt = torch.zeros(w * channels, dtype=torch.int64, device=dev)
-        cnt.index_add_(0, src_rank * channels + rch, torch.ones_like(rch))
-        cnt = cnt.view(w, channels)
-        seg = torch.cumsum(counts, 0) - counts
-        start = seg[:, None] + torch.cumsum(cnt, 1) - cnt
-        return torch.cumsum(send, 1, dtype=torch.int32), start.to(torch.int32)
 
     def _recv_rows(
         self, buf: torch.Tensor, dtype: torch.dtype, width: int, total: int, rows: int

@@ -13,6 +13,8 @@ as ``-1``; callers that can afford it (the CPU runtime) reject them before.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = ["IMPLS", "dispatch_layout"]
@@ -40,6 +42,21 @@ def _torch_layout(
     return in_rank.sum(0, dtype=torch.int32), per_expert, in_rank
 
 
+_relaunch: list[Any] = []
+
+
+def _kernel() -> Any:
+    """The layout kernel, relaunched without Triton's per-call dispatch (on an H200 host that
+    dispatch took longer than the kernel); imported on first use, so the CPU runtime never
+    imports Triton here and tests may set ``TRITON_INTERPRET`` first."""
+    if not _relaunch:
+        from mori.core.relaunch import Relaunch
+        from mori.ep.layout_kernel import dispatch_layout_kernel
+
+        _relaunch.append(Relaunch(dispatch_layout_kernel))
+    return _relaunch[0]
+
+
 def dispatch_layout(
     topk_idx: torch.Tensor, num_experts: int, world: int, impl: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,17 +67,14 @@ def dispatch_layout(
     use_kernel = impl == "triton" or (impl == "auto" and topk_idx.device.type != "cpu")
     if not use_kernel:
         return _torch_layout(topk_idx, num_experts, world)
-    import triton
-
-    from mori.ep.layout_kernel import dispatch_layout_kernel
-
     n, k = topk_idx.shape
     idx = topk_idx.contiguous()
     counts = torch.zeros(world + num_experts, dtype=torch.int32, device=idx.device)
     in_rank = torch.empty(n, world, dtype=torch.bool, device=idx.device)
     if n:
         bt = 64
-        dispatch_layout_kernel[(triton.cdiv(n, bt),)](
+        _kernel()(
+            (-(-n // bt),),
             idx,
             n,
             counts,

@@ -1,0 +1,222 @@
+"""The bookkeeping of the DeepEP layer's normal dispatch: where each row goes, and the handle.
+
+A normal dispatch (:meth:`mori.ep.deepep.Buffer.dispatch`) all-gathers every rank's counts into a
+table (int64 ``[W, width]``, row ``s`` = rank ``s``'s ``[num_tokens, sent to rank 0..W-1, ...]``)
+and then needs, on this rank:
+
+* before the operator runs (:func:`send_side`): ``dest`` int32 [W, M], the receive row on rank
+  ``p`` of this rank's token ``t`` (``-1``: not sent), DeepEP's order: rows grouped by source
+  rank, by source token within one, so row = (tokens ranks ``< rank`` send to ``p``) + (index of
+  ``t`` among this rank's tokens for ``p``); the rows this rank receives (int32 [1]);
+  ``send_head`` int32 [N, W] (that index, ``-1`` if not sent) and ``channel_prefix_matrix``
+  int32 [W, C] (tokens of channels ``0..c`` sent to ``p``; a channel is a contiguous
+  ``ceil(N / C)`` of the tokens);
+* after it (:func:`recv_side`): ``rank_prefix_matrix`` int32 [W, W] (inclusive prefix of the
+  table's sent counts over source ranks), ``recv_channel_prefix_matrix`` int32 [W, C] (first
+  received row of channel ``c`` of rank ``s``), ``recv_src_idx`` int32 [total] (each received
+  row's token on its source) and, with top-k, the received expert ids as local ids (``-1``:
+  another rank's expert, and padding rows) with their weights (0 there).
+
+On a GPU each side is one Triton launch (:mod:`mori.ep.deepep_handle_kernels`, relaunched
+without Triton's per-call dispatch, :class:`mori.core.relaunch.Relaunch`) that reads the table
+where the all-gather left it, on the device; on the CPU runtime the same results come from torch
+operations on the host copy. About fifty small torch launches were there before: on an H200 host
+they cost 2 ms per dispatch, eight times the operator's own dispatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["IMPLS", "RecvSide", "SendSide", "recv_side", "send_side"]
+
+#: "auto" (the kernels on a GPU, torch on the CPU), "triton" (the kernels; on the CPU only under
+#: TRITON_INTERPRET=1), "torch"
+IMPLS = ("auto", "triton", "torch")
+
+_BLOCK = 1024  #: tokens (send side) or rows (receive side) per step of one program
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _use_kernels(impl: str, device: torch.device) -> bool:
+    if impl not in IMPLS:
+        raise ValueError(f"deepep_handle: impl={impl!r} is not one of {IMPLS}")
+    return impl == "triton" or (impl == "auto" and device.type != "cpu")
+
+
+_launchers: dict[str, Any] = {}
+
+
+def _launcher(name: str) -> Any:
+    """The kernel ``name`` of :mod:`mori.ep.deepep_handle_kernels` (imported on first use, so the
+    CPU runtime never imports Triton here and tests may set ``TRITON_INTERPRET`` first)."""
+    launch = _launchers.get(name)
+    if launch is None:
+        from mori.core.relaunch import Relaunch
+        from mori.ep import deepep_handle_kernels
+
+        launch = _launchers[name] = Relaunch(getattr(deepep_handle_kernels, name))
+    return launch
+
+
+@dataclass
+class SendSide:
+    dest: torch.Tensor  #: int32 [W, M]
+    total: torch.Tensor  #: int32 [1]
+    send_head: torch.Tensor  #: int32 [N, W]
+    channel_prefix: torch.Tensor  #: int32 [W, C]
+
+
+@dataclass
+class RecvSide:
+    rank_prefix: torch.Tensor  #: int32 [W, W]
+    recv_channel_prefix: torch.Tensor  #: int32 [W, C]
+    recv_src_idx: torch.Tensor  #: int32 [total]
+    recv_idx: torch.Tensor | None  #: [rows, K] of the caller's id dtype
+    recv_w: torch.Tensor | None  #: float32 [rows, K]
+
+
+def send_side(
+    in_rank: torch.Tensor,
+    table: torch.Tensor,
+    host: torch.Tensor,
+    rank: int,
+    m: int,
+    channels: int,
+    impl: str = "auto",
+) -> SendSide:
+    """See the module docstring. ``in_rank`` bool [N, W] on the device; ``table`` the all-gathered
+    int64 [W, width] on the device, ``host`` its CPU copy; ``m`` >= N the operator's tokens per
+    rank; ``channels`` >= 1."""
+    n, w = in_rank.shape
+    dev = in_rank.device
+    if _use_kernels(impl, dev):
+        out = torch.empty(w * m + 1 + n * w + w * channels, dtype=torch.int32, device=dev)
+        dest = out[: w * m].view(w, m)
+        total = out[w * m : w * m + 1]
+        send_head = out[w * m + 1 : w * m + 1 + n * w].view(n, w)
+        chan = out[w * m + 1 + n * w :].view(w, channels)
+        _launcher("send_side_kernel")(
+            (w,),
+            in_rank.view(torch.uint8),
+            n,
+            table,
+            table.stride(0),
+            rank,
+            m,
+            max(1, -(-n // channels)),
+            dest,
+            total,
+            send_head,
+            chan,
+            channels,
+            W=w,
+            W_P2=_pow2_at_least(w),
+            C_P2=_pow2_at_least(channels + 1),
+            BLOCK=_BLOCK,
+            num_warps=4,
+        )
+        return SendSide(dest, total, send_head, chan)
+    sent = host[:, 1 : 1 + w]  # [source, destination]
+    offs = (sent[:rank].sum(0)).to(device=dev, dtype=torch.int32)
+    cols = in_rank.t().to(torch.int32)
+    within = torch.cumsum(cols, dim=1, dtype=torch.int32) - 1  # [W, N]
+    dest = torch.full((w, m), -1, dtype=torch.int32, device=dev)
+    dest[:, :n] = torch.where(in_rank.t(), within + offs[:, None], -1)
+    total = torch.tensor([int(sent[:, rank].sum())], dtype=torch.int32, device=dev)
+    send_head = torch.where(in_rank, within.t(), -1).contiguous()
+    per = max(1, -(-n // channels))
+    ch = torch.arange(n, device=dev) // per
+    send = torch.zeros(w, channels, dtype=torch.int32, device=dev)
+    send.index_add_(1, ch, cols)
+    return SendSide(dest, total, send_head, torch.cumsum(send, 1, dtype=torch.int32))
+
+
+def recv_side(
+    table: torch.Tensor,
+    host: torch.Tensor,
+    rank: int,
+    recv_src_pos: torch.Tensor,
+    max_send: int,
+    channels: int,
+    rows: int,
+    topk: tuple[torch.Tensor, torch.Tensor, int, torch.dtype] | None,
+    impl: str = "auto",
+) -> RecvSide:
+    """See the module docstring. ``recv_src_pos`` int32 [total]: the operator's flat source
+    position of each received row (``% max_send`` is the source token); ``rows`` >= total the
+    output rows (padding rows past total); ``topk``: ``(recv_idx int32 [>= total, K] global
+    expert ids, recv_w float32 [>= total, K], experts per rank, the id dtype to return)``, both
+    operator buffers, or None (no top-k)."""
+    w = host.shape[0]
+    total = int(recv_src_pos.shape[0])
+    dev = recv_src_pos.device
+    k = 0 if topk is None else int(topk[0].shape[1])
+    if _use_kernels(impl, dev):
+        out = torch.empty(w * w + w * channels + total, dtype=torch.int32, device=dev)
+        prefix = out[: w * w].view(w, w)
+        rchan = out[w * w : w * w + w * channels].view(w, channels)
+        src_idx = out[w * w + w * channels :]
+        recv_idx = recv_w = None
+        if topk is not None:
+            gidx, gw, e_local, idx_dtype = topk
+            recv_idx = torch.empty(rows, k, dtype=idx_dtype, device=dev)
+            recv_w = torch.empty(rows, k, dtype=torch.float32, device=dev)
+        _launcher("recv_side_kernel")(
+            (w + 1,),
+            table,
+            table.stride(0),
+            rank,
+            recv_src_pos,
+            max_send,
+            channels,
+            total,
+            rows,
+            prefix,
+            rchan,
+            src_idx,
+            *(
+                (gidx, gidx.stride(0), gw, gw.stride(0), recv_idx, recv_w, e_local)
+                if topk
+                else (src_idx, 0, src_idx, 0, src_idx, src_idx, 1)
+            ),
+            W=w,
+            W_P2=_pow2_at_least(w),
+            C_P2=_pow2_at_least(channels + 1),
+            K=max(k, 1),
+            K_P2=_pow2_at_least(max(k, 1)),
+            HAS_TOPK=topk is not None,
+            BLOCK=_BLOCK // 4,
+            num_warps=4,
+        )
+        return RecvSide(prefix, rchan, src_idx, recv_idx, recv_w)
+    sent = host[:, 1 : 1 + w]
+    prefix = torch.cumsum(sent, dim=0).to(device=dev, dtype=torch.int32)
+    src_idx = (recv_src_pos.to(torch.int64) % max_send).to(torch.int32)
+    # rows of source s are its tokens in order; their channel on s
+    counts = sent[:, rank].to(dev)
+    src_rank = torch.repeat_interleave(torch.arange(w, device=dev), counts, output_size=total)
+    per_src = torch.clamp(-(-host[:, 0] // channels), min=1).to(dev)
+    rch = src_idx.to(torch.int64) // per_src[src_rank]
+    cnt = torch.zeros(w * channels, dtype=torch.int64, device=dev)
+    cnt.index_add_(0, src_rank * channels + rch, torch.ones_like(rch))
+    cnt = cnt.view(w, channels)
+    seg = torch.cumsum(counts, 0) - counts
+    rchan = (seg[:, None] + torch.cumsum(cnt, 1) - cnt).to(torch.int32)
+    recv_idx = recv_w = None
+    if topk is not None:
+        gidx, gw, e_local, idx_dtype = topk
+        glob = gidx[:total]
+        local = glob.to(torch.int64) - rank * e_local
+        mine = (glob >= 0) & (local >= 0) & (local < e_local)
+        recv_idx = torch.full((rows, k), -1, dtype=idx_dtype, device=dev)
+        recv_idx[:total] = torch.where(mine, local, -1).to(idx_dtype)
+        recv_w = torch.zeros(rows, k, dtype=torch.float32, device=dev)
+        recv_w[:total] = torch.where(mine, gw[:total], 0.0)
+    return RecvSide(prefix, rchan, src_idx, recv_idx, recv_w)
