@@ -4,6 +4,7 @@ of 16, pointers aligned to 16 bytes or not), and the launcher names a missing ar
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -22,15 +23,14 @@ def _relaunch(rank: int, world: int, device: str) -> int:
     dev = torch.device(device)
     base = torch.arange(200, dtype=torch.float32, device=dev)
     out = torch.zeros(200, dtype=torch.float32, device=dev)
-    # n = 1, 16, 17, 64, 100; offsets 0 (aligned) and 1 (4 bytes: not 16-aligned); add 1 and 16
-    for n in (1, 16, 17, 64, 100):
-        for off in (0, 1, 0):
-            for add in (1, 16, 3):
-                out.zero_()
-                x, y = base[off : off + n], out[off : off + n]
-                launch((-(-n // 64),), x, y, n, add, BLOCK=64, num_warps=1)
-                assert torch.equal(out[off : off + n].cpu(), (base[off : off + n] + add).cpu()), (n, off, add)
-                assert int((out != 0).sum()) <= n, "stored past n"
+    # n = 1, 16, 17, 64, 100; offsets 0 (aligned) and 1 (4 bytes: not 16-aligned); add 1, 16, 3;
+    # BLOCK 64 and 128 (a constexpr: keyed by its value, never by its divisibility)
+    for n, off, add, block in itertools.product((1, 16, 17, 64, 100), (0, 1, 0), (1, 16, 3), (64, 128)):
+        out.zero_()
+        launch((-(-n // block),), base[off : off + n], out[off : off + n], n, add, BLOCK=block, num_warps=1)
+        want = base[off : off + n] + add
+        assert torch.equal(out[off : off + n].cpu(), want.cpu()), (n, off, add, block)
+        assert int((out != 0).sum()) <= n, "stored past n"
     with pytest.raises(TypeError, match="BLOCK"):
         launch((1,), base, out, 1, 1)
     return len(launch._compiled)
@@ -45,5 +45,5 @@ def test_relaunch_on_a_gpu_caches_one_kernel_per_specialisation() -> None:
     if not torch.cuda.is_available():
         pytest.skip(f"needs a GPU: torch {torch.__version__} sees none")
     (compiled,) = run_ranks(_relaunch, 1, "cuda", env={"TRITON_INTERPRET": "0"}, timeout=300)
-    # n: 1 / multiple of 16 / other; add: 1 / 16 / other; two alignments of x and y: at most 3 x 3 x 2
-    assert 4 <= compiled <= 18
+    # n: 1 / multiple of 16 / other; add: 1 / 16 / other; two alignments of x and y; two BLOCKs
+    assert 8 <= compiled <= 36

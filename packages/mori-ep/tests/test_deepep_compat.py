@@ -432,7 +432,7 @@ def _handle_kernels(rank: int, world: int, device: str = "cpu") -> str:
             *(t.cpu() for t in (got.dest, got.total, got.send_head, got.channel_prefix))
         )
         for name in ("dest", "total", "send_head", "channel_prefix"):
-            g, r = getattr(got, name), getattr(want, name)
+            g, r = getattr(got, name), getattr(want, name).cpu()
             assert g.dtype == r.dtype == torch.int32 and torch.equal(g, r), (name, seed)
         # independently: the sent tokens of each rank p land on consecutive rows after what lower
         # ranks send p, in token order
@@ -474,6 +474,22 @@ def _handle_kernels(rank: int, world: int, device: str = "cpu") -> str:
         if k:
             assert got_r.recv_idx is not None and got_r.recv_w is not None
             assert bool((got_r.recv_idx[total:] == -1).all()) and bool((got_r.recv_w[total:] == 0).all())
+
+    # the all-gather's puts: this rank's row into every rank's table (here w local tables); n = 1
+    # and words of 1 arrive in the kernel as constants, which it must handle like any value
+    for w, e, n, words in ((2, 8, 1, [1, 1, 1, 0, 1, 1]), (3, 12, 70, [5, 7168, 56, 4, 0, 8])):
+        width = 1 + w + e + 6
+        tables = [torch.full((2, w, width), -7, dtype=torch.int64, device=dev) for _ in range(w)]
+        addrs = torch.tensor([t.data_ptr() for t in tables], dtype=torch.int64, device=dev)
+        per_rank = torch.arange(w, dtype=torch.int32, device=dev) + 3
+        per_expert = torch.arange(e, dtype=torch.int32, device=dev) * 2
+        for par, me in ((1, w - 1), (0, 0)):
+            deepep_handle.put_counts(addrs, (par * w + me) * width, n, per_rank, per_expert, words)
+            want = torch.tensor([n, *range(3, 3 + w), *range(0, 2 * e, 2), *words])
+            for t in tables:
+                assert torch.equal(t[par, me].cpu(), want), (w, par, me)
+        for t in tables:
+            assert int((t != -7).sum()) == 2 * width, "wrote outside the two rows"
     return "ok"
 
 

@@ -495,14 +495,6 @@ def _pow2_at_least(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on ``device`` without waiting for the stream: a blocking host-to-GPU
-    copy synchronises the stream first (in the layer's dispatch that waited for the dispatch
-    kernels mid-call); a non-blocking one from pageable memory is staged before it returns, so
-    ``host`` may go right after."""
-    return host.to(device, non_blocking=True)
-
-
 # -- the buffer ------------------------------------------------------------------------------------
 
 
@@ -599,7 +591,7 @@ class Buffer:
         self.rank = shmem.shmem_mype()
         self.group_size = shmem.shmem_npes()
         # small symmetric tables to all-gather per-call counts, by row width (made on first use)
-        self._tables: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[int]]] = {}
+        self._tables: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[int], torch.Tensor]] = {}
         self.device = self._table(1)[0].device
         self._ops: dict[tuple[Any, ...], EpDispatchCombineOp] = {}
         #: normal dispatch returns views of the receive buffers (two per shape, alternating)
@@ -735,9 +727,10 @@ class Buffer:
             raise bad_type(func, "config", config, "a Config or None")
         return config.num_sms
 
-    def _table(self, width: int) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
-        """Symmetric int64 [2, group_size, width], its peers' views and a call counter. The first
-        use of a width allocates it: collective (every rank needs the same widths in the same order)."""
+    def _table(self, width: int) -> tuple[torch.Tensor, list[torch.Tensor], list[int], torch.Tensor]:
+        """Symmetric int64 [2, group_size, width], its peers' views, a call counter and the views'
+        addresses (int64 [group_size] on the device). The first use of a width allocates it:
+        collective (every rank needs the same widths in the same order)."""
         entry = self._tables.get(width)
         if entry is None:
             t = shmem.mori_shmem_create_tensor((2, self.group_size, width), torch.int64)
@@ -745,22 +738,39 @@ class Buffer:
             peers = [
                 t if p == self.rank else shmem.symm_mori_shmem_tensor(t, p) for p in range(self.group_size)
             ]
-            entry = (t, peers, [0])
+            addrs = torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64).to(t.device)
+            entry = (t, peers, [0], addrs)
             self._tables[width] = entry
             shmem.shmem_barrier_all()  # zeroed everywhere before anyone writes
         return entry
 
-    def _allgather(self, row: torch.Tensor) -> torch.Tensor:
-        """All-gather one int64 row from every rank -> [group_size, row.numel()], a view of the
-        symmetric table, valid until the second call after this one. Collective.
+    def _allgather_counts(
+        self, n: int, per_rank: torch.Tensor, per_expert: torch.Tensor, words: list[int]
+    ) -> torch.Tensor:
+        """All-gather every rank's int64 row ``[n, per_rank, per_expert, *words]`` -> [group_size,
+        width], a view of the symmetric table valid until the second call after this one
+        (collective). On a GPU the puts into every rank's table are one launch.
 
         Two tables alternate: a peer writes this one again only after the next call's barrier,
         which this rank's stream reaches after everything it queued before that call."""
-        table, peers, calls = self._table(row.numel())
+        width = 1 + per_rank.shape[0] + per_expert.shape[0] + len(words)
+        table, peers, calls, addrs = self._table(width)
         par = calls[0] % 2
         calls[0] += 1
-        for peer in peers:
-            peer[par, self.rank] = row
+        if deepep_handle.uses_kernels(self._handle_impl, self.device):
+            offset = (par * self.group_size + self.rank) * width
+            deepep_handle.put_counts(addrs, offset, n, per_rank, per_expert.to(self.device), words)
+        else:
+            row = torch.cat(
+                [
+                    torch.tensor([n]),
+                    per_rank.to(torch.int64),
+                    per_expert.to(dtype=torch.int64),
+                    torch.tensor(words),
+                ]
+            ).to(self.device)
+            for peer in peers:
+                peer[par, self.rank] = row
         shmem.shmem_barrier_on_stream()
         return table[par]
 
@@ -1022,24 +1032,16 @@ class Buffer:
             int(topk_idx is not None),
             k,
         ]
-        head = _to_device(torch.tensor([n, *words]), self.device)
-        row = torch.cat(
-            [
-                head[:1],
-                num_tokens_per_rank.to(torch.int64),
-                num_tokens_per_expert.to(device=self.device, dtype=torch.int64),
-                head[1:],
-            ]
-        )
-        gathered = self._allgather(row)
+        gathered = self._allgather_counts(n, num_tokens_per_rank, num_tokens_per_expert, words)
         table = gathered.cpu()
         err = agreement.mismatch(
             func, "each dispatch call's arguments", _NORMAL_FIELDS, table[:, -len(words) :], self.rank
         )
         if err is not None:
             raise err
-        m = _pow2_at_least(int(table[:, 0].max()))
-        total = int(table[:, 1 + self.rank].sum())
+        rows_of = table.tolist()  # (host arithmetic in Python: a torch op on the CPU costs ~10 us)
+        m = _pow2_at_least(max(r[0] for r in rows_of))
+        total = sum(r[1 + self.rank] for r in rows_of)
         rows = num_worst_tokens or total
         if num_worst_tokens and total > num_worst_tokens:
             raise bad_value(
@@ -1092,9 +1094,10 @@ class Buffer:
             recv_scales = self._recv_rows(op.buffers.recv_scales, scales.dtype, scales.shape[1], total, rows)
         recv_idx, recv_w = recv.recv_idx, recv.recv_w
         base = 1 + w + self.rank * e_local
-        per_local = table[:, base : base + e_local].sum(0)
-        aligned = (per_local + expert_alignment - 1) // expert_alignment * expert_alignment
-        counts: list[int] = [] if num_worst_tokens else [int(c) for c in aligned.tolist()]
+        counts: list[int] = []
+        if not num_worst_tokens:
+            per_local = [sum(r[base + j] for r in rows_of) for j in range(e_local)]
+            counts = [-(-c // expert_alignment) * expert_alignment for c in per_local]
         out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
         return out_x, recv_idx, recv_w, counts, h, self._event_out(async_finish)
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["IMPLS", "RecvSide", "SendSide", "recv_side", "send_side"]
+__all__ = ["IMPLS", "RecvSide", "SendSide", "put_counts", "recv_side", "send_side", "uses_kernels"]
 
 #: "auto" (the kernels on a GPU, torch on the CPU), "triton" (the kernels; on the CPU only under
 #: TRITON_INTERPRET=1), "torch"
@@ -44,7 +44,8 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _use_kernels(impl: str, device: torch.device) -> bool:
+def uses_kernels(impl: str, device: torch.device) -> bool:
+    """Whether ``impl`` on ``device`` takes the Triton kernels."""
     if impl not in IMPLS:
         raise ValueError(f"deepep_handle: impl={impl!r} is not one of {IMPLS}")
     return impl == "triton" or (impl == "auto" and device.type != "cpu")
@@ -63,6 +64,37 @@ def _launcher(name: str) -> Any:
 
         launch = _launchers[name] = Relaunch(getattr(deepep_handle_kernels, name))
     return launch
+
+
+def put_counts(
+    addrs: torch.Tensor,
+    offset: int,
+    n: int,
+    per_rank: torch.Tensor,
+    per_expert: torch.Tensor,
+    words: list[int],
+) -> None:
+    """The all-gather's puts, in one launch: this rank's row ``[n, per_rank, per_expert, *words]``
+    (int64) at ``offset`` (elements) of every rank's table; ``addrs`` int64 [W] the tables'
+    addresses in this process. ``per_rank`` int32 [W] and ``per_expert`` int32 [E] on the device;
+    ``words``: six ints."""
+    w, e = int(addrs.shape[0]), int(per_expert.shape[0])
+    if len(words) != 6:
+        raise ValueError(f"deepep_handle.put_counts: words has {len(words)} entries, not 6")
+    _launcher("put_counts_kernel")(
+        (w,),
+        addrs,
+        offset,
+        per_rank,
+        per_expert,
+        e,
+        n,
+        *words,
+        W=w,
+        W_P2=_pow2_at_least(w),
+        E_P2=_pow2_at_least(e),
+        num_warps=4,
+    )
 
 
 @dataclass
@@ -96,7 +128,7 @@ def send_side(
     rank; ``channels`` >= 1."""
     n, w = in_rank.shape
     dev = in_rank.device
-    if _use_kernels(impl, dev):
+    if uses_kernels(impl, dev):
         out = torch.empty(w * m + 1 + n * w + w * channels, dtype=torch.int32, device=dev)
         dest = out[: w * m].view(w, m)
         total = out[w * m : w * m + 1]
@@ -154,11 +186,11 @@ def recv_side(
     output rows (padding rows past total); ``topk``: ``(recv_idx int32 [>= total, K] global
     expert ids, recv_w float32 [>= total, K], experts per rank, the id dtype to return)``, both
     operator buffers, or None (no top-k)."""
-    w = host.shape[0]
+    w = table.shape[0]
     total = int(recv_src_pos.shape[0])
     dev = recv_src_pos.device
     k = 0 if topk is None else int(topk[0].shape[1])
-    if _use_kernels(impl, dev):
+    if uses_kernels(impl, dev):
         out = torch.empty(w * w + w * channels + total, dtype=torch.int32, device=dev)
         prefix = out[: w * w].view(w, w)
         rchan = out[w * w : w * w + w * channels].view(w, channels)

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from mori.core.kernels import aot_variants
 
-__all__ = ["recv_side_kernel", "send_side_kernel"]
+__all__ = ["put_counts_kernel", "recv_side_kernel", "send_side_kernel"]
 
 
 def _p2(n: int) -> int:
@@ -205,7 +205,7 @@ def recv_side_kernel(
         first = seg + tl.cumsum(hist, axis=0) - hist
         tl.store(rchan_ptr + s * n_chan + c, first.to(tl.int32), mask=c < n_chan)
     elif HAS_TOPK:
-        start = total
+        start = tl.zeros([], tl.int32) + total  # (a tensor even when total arrives as the constant 1)
         while start < rows:
             r = start + tl.arange(0, BLOCK)
             km = (r < rows)[:, None] & (ks < K)[None, :]
@@ -214,3 +214,69 @@ def recv_side_kernel(
             )
             tl.store(out_w_ptr + r[:, None] * K + ks[None, :], tl.zeros([BLOCK, K_P2], tl.float32), mask=km)
             start += BLOCK
+
+
+def _put_variants() -> list[dict[str, object]]:
+    return [
+        {
+            "signature": {
+                "addrs_ptr": "*i64",
+                "offset": "i32",
+                "per_rank_ptr": "*i32",
+                "per_expert_ptr": "*i32",
+                "n_experts": "i32",
+                "n": "i32",
+                "w0": "i32",
+                "w1": "i32",
+                "w2": "i32",
+                "w3": "i32",
+                "w4": "i32",
+                "w5": "i32",
+            },
+            "constexprs": {"W": w, "W_P2": _p2(w), "E_P2": _p2(e)},
+            "aligned": ("addrs_ptr", "per_rank_ptr", "per_expert_ptr"),
+            "num_warps": 4,
+            "label": f"W={w} E={e}",
+        }
+        for w, e in ((2, 256), (8, 256), (8, 288))
+    ]
+
+
+@aot_variants(_put_variants())
+@triton.jit
+def put_counts_kernel(
+    addrs_ptr,  # int64 [W]: the address of every rank's int64 table, as mapped in this process
+    offset,  # elements from a table's start to this rank's row
+    per_rank_ptr,  # int32 [W]
+    per_expert_ptr,  # int32 [n_experts]
+    n_experts,
+    n,
+    w0,
+    w1,
+    w2,
+    w3,
+    w4,
+    w5,
+    W: tl.constexpr,
+    W_P2: tl.constexpr,
+    E_P2: tl.constexpr,
+):
+    """Program ``p`` writes this rank's row ``[n, per_rank, per_expert, w0..w5]`` (int64) into
+    rank ``p``'s table: the all-gather's puts, before its barrier."""
+    p = tl.program_id(0)
+    row = tl.load(addrs_ptr + p).to(tl.pointer_type(tl.int64)) + offset
+    one = tl.arange(0, 1)
+    # (an int argument equal to 1 arrives as a constant: adding it to a tensor works for both)
+    tl.store(row + one, tl.zeros([1], tl.int64) + n)
+    lanes = tl.arange(0, W_P2)
+    tl.store(row + 1 + lanes, tl.load(per_rank_ptr + lanes, mask=lanes < W).to(tl.int64), mask=lanes < W)
+    es = tl.arange(0, E_P2)
+    ok = es < n_experts
+    tl.store(row + 1 + W + es, tl.load(per_expert_ptr + es, mask=ok).to(tl.int64), mask=ok)
+    ws = tl.arange(0, 8)
+    words = tl.zeros([8], tl.int64) + tl.where(
+        ws == 0,
+        w0,
+        tl.where(ws == 1, w1, tl.where(ws == 2, w2, tl.where(ws == 3, w3, tl.where(ws == 4, w4, w5)))),
+    )
+    tl.store(row + 1 + W + n_experts + ws, words, mask=ws < 6)
