@@ -81,39 +81,43 @@ class _Slot:
 
 
 class _GroupCommit:
-    """At most one RPC of a kind in flight per client: calls that arrive while one is in flight
-    wait and then go together in the next one (one result each). A lone caller sends at once, so
-    nothing is delayed; under concurrency the RPCs carry many calls. If an RPC fails, every call
-    in it raises that error.
+    """At most ``lanes`` RPCs of a kind in flight per client: calls that arrive while every lane is
+    busy wait and then go together in the next RPC of a lane (one result each). A caller that
+    finds a lane free sends at once, so nothing is delayed; under concurrency the RPCs carry many
+    calls. If an RPC fails, every call in it raises that error.
 
-    When an RPC returns and calls are waiting, the first of them becomes the next sender and the
-    answered calls are woken by it, just before it sends: woken at once, they would hold the GIL
-    while the next sender waits for it, and the master would sit idle meanwhile."""
+    When an RPC returns and calls are waiting, the first of them takes the lane over and sends
+    the next RPC; the answered calls are woken by it, just before it sends: woken at once, they
+    would hold the GIL while the next sender waits for it, and the master would sit idle
+    meanwhile. A lane's sender is never in the queue, so a call is answered by exactly one RPC."""
 
-    def __init__(self, send: Callable[[list[Any]], list[Any]], max_calls: int, max_items: int) -> None:
-        self._send, self._max_calls, self._max_items = send, max_calls, max_items
+    def __init__(
+        self, send: Callable[[list[Any]], list[Any]], max_calls: int, max_items: int, lanes: int = 1
+    ) -> None:
+        self._send, self._max_calls, self._max_items, self._lanes = send, max_calls, max_items, lanes
         self._lock = threading.Lock()
         self._queue: deque[_Slot] = deque()
-        self._busy = False
+        self._busy = 0  #: lanes with an RPC in flight (or about to send one)
 
     def __call__(self, query: Any, items: int) -> Any:
         slot = _Slot(query, items)
         with self._lock:
-            self._queue.append(slot)
-            lead = not self._busy
-            self._busy = True
+            lead = self._busy < self._lanes
+            if lead:
+                self._busy += 1
+            else:
+                self._queue.append(slot)
         if not lead:
-            slot.gate.acquire()  # released once: the answer is in, or this call sends next
+            slot.gate.acquire()  # released once: the answer is in, or this call takes a lane over
             if not slot.lead:
                 if slot.error is not None:
                     raise slot.error
                 return slot.result
-        # this thread sends the next RPC, with whatever has queued up to the limits
+        # this thread sends the next RPC of its lane: its own call, and what has queued up to the limits
         with self._lock:
-            batch: list[_Slot] = []
-            n = 0
+            batch, n = [slot], items
             while self._queue and len(batch) < self._max_calls:
-                if batch and n + self._queue[0].items > self._max_items:
+                if n + self._queue[0].items > self._max_items:
                     break
                 b = self._queue.popleft()
                 batch.append(b)
@@ -128,18 +132,18 @@ class _GroupCommit:
         except BaseException as e:  # handed to every caller of the batch
             for b in batch:
                 b.error = e
-        answered = [b for b in batch if b is not slot]
+        answered = batch[1:]
         for b in answered:
             b.lead = False
         with self._lock:
-            if self._queue:  # the next waiter sends the next RPC, and wakes the answered calls
-                nxt = self._queue[0]
+            if self._queue:  # the first waiter takes the lane over, and wakes the answered calls
+                nxt = self._queue.popleft()
                 nxt.lead = True
                 nxt.wake = answered
                 nxt.gate.release()
                 answered = []
             else:
-                self._busy = False
+                self._busy -= 1
         for b in answered:
             b.gate.release()
         if slot.error is not None:
@@ -157,10 +161,16 @@ def _tier(func: str, tier: Any) -> int:
     return int(t)
 
 
+#: wire tier -> UMBPTierType
+_TIERS = {int(t): t for t in UMBPTierType}
+
+
 def _hashes(func: str, hashes: Any, *, allow_empty: bool) -> list[str]:
     if isinstance(hashes, (str, bytes)):
         raise UMBPArgumentError(f"{func}: hashes must be a list of str, not a single {type(hashes).__name__}")
-    out = [str(h) for h in hashes]
+    out = list(hashes)
+    if not all(type(h) is str for h in out):
+        out = [str(h) for h in out]
     if not out and not allow_empty:
         raise UMBPArgumentError(f"{func}: hashes must not be empty")
     return out
@@ -189,7 +199,10 @@ class UMBPMasterClient:
         self._calls: dict[str, Any] = {}
         self._registered = False
         self._match = _GroupCommit(
-            self._send_matches, wire.MAX_QUERIES, env.UMBP_MASTER_MAX_BATCH.get() or 65536
+            self._send_matches,
+            wire.MAX_QUERIES,
+            env.UMBP_MASTER_MAX_BATCH.get() or 65536,
+            env.UMBP_MASTER_MATCH_LANES.get() or 1,
         )
         #: set by register_self: what the master recommends between heartbeats
         self.heartbeat_interval_ms = 0
@@ -376,10 +389,17 @@ class UMBPMasterClient:
         if not hs:
             return []
         raw = self._match((hs, bool(count_as_hit)), len(hs))
-        return [
-            UMBPExternalKvNodeMatch(nid, peer, {UMBPTierType(t): list(h) for t, h in tiers})
-            for nid, peer, tiers in raw
-        ]
+        # (the decoded answer's lists are this call's own; a dict lookup instead of an Enum call
+        # took this conversion, which every caller pays, from 15 to 8 us for four nodes)
+        try:
+            return [
+                UMBPExternalKvNodeMatch(nid, peer, {_TIERS[t]: h for t, h in tiers})
+                for nid, peer, tiers in raw
+            ]
+        except (KeyError, TypeError, ValueError):
+            raise UMBPError(
+                "UMBPMasterClient.match_external_kv: the master sent a malformed answer"
+            ) from None
 
     def _send_matches(self, queries: list[tuple[list[str], bool]]) -> list[Any]:
         if len(queries) == 1:  # the common case: one caller, the plain RPC
