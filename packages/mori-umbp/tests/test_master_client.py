@@ -377,36 +377,25 @@ def test_concurrent_matches_share_rpcs_and_each_gets_its_own_answer(addr: str) -
         assert sum(hits.values()) == 20, "only thread 0 counted hits: one per call, none lost or doubled"
 
 
-@pytest.mark.parametrize("lanes", [1, 2, 3])
-def test_group_commit_wakes_every_caller_and_hands_errors_to_their_batch(lanes: int) -> None:
+def test_group_commit_wakes_every_caller_and_hands_errors_to_their_batch() -> None:
     """The group commit alone, with a fake RPC: every caller returns (an answered call is woken
-    by the next sender, so a lost hand-off would leave it waiting), with its own answer, carried
-    by exactly one RPC; at most ``lanes`` RPCs are in flight; an RPC that fails raises in exactly
-    the calls it carried, and the calls after it still go through."""
+    by the next sender, so a lost hand-off would leave it waiting), with its own answer; an RPC
+    that fails raises in exactly the calls it carried, and the calls after it still go through."""
     import threading
     import time
 
     from mori.umbp.master_client import _GroupCommit
 
     sent: list[int] = []
-    carried: list[int] = []
-    flight = [0, 0]  # in flight now, most at once
-    lock = threading.Lock()
 
     def send(queries: list[int]) -> list[int]:
-        with lock:
-            sent.append(len(queries))
-            carried.extend(queries)
-            flight[0] += 1
-            flight[1] = max(flight)
+        sent.append(len(queries))
         time.sleep(0.002)  # an RPC in flight: the others queue up behind it
-        with lock:
-            flight[0] -= 1
         if any(q % 97 == 0 for q in queries):
             raise ConnectionError("this batch failed", list(queries))
         return [q * 2 for q in queries]
 
-    gc = _GroupCommit(send, max_calls=8, max_items=1 << 20, lanes=lanes)
+    gc = _GroupCommit(send, max_calls=8, max_items=1 << 20)
     results: dict[int, object] = {}
 
     def work(t: int) -> None:
@@ -431,6 +420,4 @@ def test_group_commit_wakes_every_caller_and_hands_errors_to_their_batch(lanes: 
     for q in failed:  # raised the error of the RPC that carried it, which carried a failing query
         batch = results[q].args[1]  # type: ignore[union-attr]
         assert q in batch and any(b in bad for b in batch), "only its batch raised"
-    assert sorted(carried) == sorted(results), "every call went in exactly one RPC"
-    assert flight[1] <= lanes and (lanes == 1 or flight[1] >= 2), f"{flight[1]} RPCs at once, lanes={lanes}"
     assert gc(5, 1) == 10 and not gc._busy, "the group commit is idle and usable afterwards"

@@ -236,14 +236,6 @@ UMBP_MASTER_MAX_BATCH = EnvVar(
     "65536",
     _whole(1),
 )
-UMBP_MASTER_MATCH_LANES = EnvVar(
-    "UMBP_MASTER_MATCH_LANES",
-    "1",
-    "match_external_kv RPCs one UMBPMasterClient keeps in flight; calls that arrive while every "
-    "lane is busy go together in the next RPC.",
-    "2",
-    _whole(1),
-)
 UMBP_RPC_TIMEOUT_MS = EnvVar(
     "UMBP_RPC_TIMEOUT_MS",
     "5000",

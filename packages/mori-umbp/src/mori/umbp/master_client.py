@@ -81,43 +81,39 @@ class _Slot:
 
 
 class _GroupCommit:
-    """At most ``lanes`` RPCs of a kind in flight per client: calls that arrive while every lane is
-    busy wait and then go together in the next RPC of a lane (one result each). A caller that
-    finds a lane free sends at once, so nothing is delayed; under concurrency the RPCs carry many
-    calls. If an RPC fails, every call in it raises that error.
+    """At most one RPC of a kind in flight per client: calls that arrive while one is in flight
+    wait and then go together in the next one (one result each). A lone caller sends at once, so
+    nothing is delayed; under concurrency the RPCs carry many calls. If an RPC fails, every call
+    in it raises that error.
 
-    When an RPC returns and calls are waiting, the first of them takes the lane over and sends
-    the next RPC; the answered calls are woken by it, just before it sends: woken at once, they
-    would hold the GIL while the next sender waits for it, and the master would sit idle
-    meanwhile. A lane's sender is never in the queue, so a call is answered by exactly one RPC."""
+    When an RPC returns and calls are waiting, the first of them becomes the next sender and the
+    answered calls are woken by it, just before it sends: woken at once, they would hold the GIL
+    while the next sender waits for it, and the master would sit idle meanwhile."""
 
-    def __init__(
-        self, send: Callable[[list[Any]], list[Any]], max_calls: int, max_items: int, lanes: int = 1
-    ) -> None:
-        self._send, self._max_calls, self._max_items, self._lanes = send, max_calls, max_items, lanes
+    def __init__(self, send: Callable[[list[Any]], list[Any]], max_calls: int, max_items: int) -> None:
+        self._send, self._max_calls, self._max_items = send, max_calls, max_items
         self._lock = threading.Lock()
         self._queue: deque[_Slot] = deque()
-        self._busy = 0  #: lanes with an RPC in flight (or about to send one)
+        self._busy = False
 
     def __call__(self, query: Any, items: int) -> Any:
         slot = _Slot(query, items)
         with self._lock:
-            lead = self._busy < self._lanes
-            if lead:
-                self._busy += 1
-            else:
-                self._queue.append(slot)
+            self._queue.append(slot)
+            lead = not self._busy
+            self._busy = True
         if not lead:
-            slot.gate.acquire()  # released once: the answer is in, or this call takes a lane over
+            slot.gate.acquire()  # released once: the answer is in, or this call sends next
             if not slot.lead:
                 if slot.error is not None:
                     raise slot.error
                 return slot.result
-        # this thread sends the next RPC of its lane: its own call, and what has queued up to the limits
+        # this thread sends the next RPC, with whatever has queued up to the limits
         with self._lock:
-            batch, n = [slot], items
+            batch: list[_Slot] = []
+            n = 0
             while self._queue and len(batch) < self._max_calls:
-                if n + self._queue[0].items > self._max_items:
+                if batch and n + self._queue[0].items > self._max_items:
                     break
                 b = self._queue.popleft()
                 batch.append(b)
@@ -132,18 +128,18 @@ class _GroupCommit:
         except BaseException as e:  # handed to every caller of the batch
             for b in batch:
                 b.error = e
-        answered = batch[1:]
+        answered = [b for b in batch if b is not slot]
         for b in answered:
             b.lead = False
         with self._lock:
-            if self._queue:  # the first waiter takes the lane over, and wakes the answered calls
-                nxt = self._queue.popleft()
+            if self._queue:  # the next waiter sends the next RPC, and wakes the answered calls
+                nxt = self._queue[0]
                 nxt.lead = True
                 nxt.wake = answered
                 nxt.gate.release()
                 answered = []
             else:
-                self._busy -= 1
+                self._busy = False
         for b in answered:
             b.gate.release()
         if slot.error is not None:
@@ -199,10 +195,7 @@ class UMBPMasterClient:
         self._calls: dict[str, Any] = {}
         self._registered = False
         self._match = _GroupCommit(
-            self._send_matches,
-            wire.MAX_QUERIES,
-            env.UMBP_MASTER_MAX_BATCH.get() or 65536,
-            env.UMBP_MASTER_MATCH_LANES.get() or 1,
+            self._send_matches, wire.MAX_QUERIES, env.UMBP_MASTER_MAX_BATCH.get() or 65536
         )
         #: set by register_self: what the master recommends between heartbeats
         self.heartbeat_interval_ms = 0
