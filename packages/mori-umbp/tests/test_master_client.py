@@ -421,3 +421,17 @@ def test_group_commit_wakes_every_caller_and_hands_errors_to_their_batch() -> No
         batch = results[q].args[1]  # type: ignore[union-attr]
         assert q in batch and any(b in bad for b in batch), "only its batch raised"
     assert gc(5, 1) == 10 and not gc._busy, "the group commit is idle and usable afterwards"
+
+
+def test_a_malformed_match_answer_is_a_named_error() -> None:
+    """An answer naming a tier that does not exist (a broken or hostile master) raises UMBPError,
+    not a KeyError from inside the client."""
+    from mori.umbp.errors import UMBPError
+
+    q = UMBPMasterClient("127.0.0.1:1")
+    q._match = lambda query, items: [["node", "10.0.0.1:1", [[9, ["h0"]]]]]  # type: ignore[method-assign]
+    with pytest.raises(UMBPError, match="malformed answer"):
+        q.match_external_kv(["h0"])
+    q._match = lambda query, items: [["node", "10.0.0.1:1", [[2, ["h0"]]]]]  # type: ignore[method-assign]
+    (m,) = q.match_external_kv(["h0"])
+    assert m.hashes_by_tier == {UMBPTierType.DRAM: ["h0"]}
