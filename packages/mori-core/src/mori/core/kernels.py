@@ -45,6 +45,7 @@ __all__ = [
     "device_function",
     "is_device_function",
     "launch_config",
+    "load_compiled",
 ]
 
 F = TypeVar("F")
@@ -149,17 +150,25 @@ def is_device_function(obj: Any) -> bool:
     return any(getattr(layer, _DEVICE_ATTR, False) for layer in _layers(obj))
 
 
+def load_compiled(compiled: Any) -> Any:
+    """Load a compiled Triton kernel (what ``kernel.warmup(...)`` returns) into the current
+    context, as its first launch would, and return it: ``compiled.function`` is then the driver's
+    handle (:func:`launch_config`, :class:`mori.core.relaunch.Relaunch`).
+
+    This is the one place MORI calls a private method of Triton: ``CompiledKernel._init_handles()``,
+    which loads the code object and sets ``function``. Triton has no public call that does this
+    without launching the kernel (its launcher calls it on the first launch)."""
+    compiled._init_handles()
+    return compiled
+
+
 def launch_config(compiled: Any) -> tuple[int, int, int]:
     """``(driver function handle, threads per program, shared memory bytes)`` of a compiled Triton
     kernel (what ``kernel.warmup(...)`` returns), loaded into the current context, for a plain
     driver launch (``cuLaunchKernel`` / ``hipModuleLaunchKernel``). Raises
     :class:`~mori.core.errors.MoriBackendError` if the kernel needs more than such a launch gives
     (global or profile scratch memory, clusters, a cooperative or programmatic-dependent launch).
-
-    This is the one place MORI calls a private method of Triton: ``CompiledKernel._init_handles()``,
-    which loads the code object and sets ``function``. Triton has no public call that does this
-    without launching the kernel (its launcher calls it on the first launch), and a driver launch
-    needs the handle before any launch."""
+    A driver launch needs the handle before any launch: :func:`load_compiled` loads the kernel."""
     md = compiled.metadata
     for attr, plain in (
         ("global_scratch_size", 0),
@@ -173,6 +182,6 @@ def launch_config(compiled: Any) -> tuple[int, int, int]:
             raise MoriBackendError(
                 f"the compiled kernel has {attr}={value!r}: it needs more than a plain launch"
             )
-    compiled._init_handles()
+    load_compiled(compiled)
     warp = int(getattr(md, "warp_size", 32) or 32)
     return int(compiled.function), warp * int(md.num_warps), int(md.shared)

@@ -26,6 +26,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from mori.core.kernels import load_compiled
+
 __all__ = ["Relaunch"]
 
 
@@ -90,8 +92,9 @@ class Relaunch:
             missing = [n for n in rest if n not in kw and n not in self._defaults]
             if missing:
                 raise TypeError(f"{self._name}: missing the argument {missing[0]!r}")
-            compiled = self.kernel.warmup(*args, grid=grid, **kw)
-            compiled._init_handles()  # (what compiled[grid] does first; see mori.core.kernels.launch_config)
+            compiled = load_compiled(
+                self.kernel.warmup(*args, grid=grid, **kw)
+            )  # (as compiled[grid] does first)
             tail = tuple(kw[n] if n in kw else self._defaults[n] for n in rest)
             compiled = self._compiled[key] = (compiled, tail)
         kernel, tail = compiled
