@@ -418,11 +418,14 @@ def _handle_kernels(rank: int, world: int, device: str = "cpu") -> str:
             (8, 5, 10, 12, 9, torch.int64, 3),  # more channels than tokens: empty channels
             (4, 1, 0, 2, 1, torch.int64, 2),  # no tokens
             (5, 3, 1100, 7, 0, None, 0),  # no top-k; more than one step of the kernels' loops
+            (2, 1, 0, 4, 8, torch.int64, 0),  # nothing sent, nothing received: empty outputs
         ]
     ):
         gen = torch.Generator().manual_seed(seed)
         in_rank = torch.rand(n, w, generator=gen) < 0.4
         table = _gathered(gen, w, me, n, in_rank)
+        if seed == 6:
+            table[:, 1 + me] = 0
         m = max(16, 1 << max(0, max(n, int(table[:, 0].max())) - 1).bit_length())
         in_rank_d, table_d = in_rank.to(dev), table.to(dev)
         for _ in range(2):  # (on a GPU the second call is a relaunch of the compiled kernel)

@@ -191,15 +191,17 @@ def recv_side(
     dev = recv_src_pos.device
     k = 0 if topk is None else int(topk[0].shape[1])
     if uses_kernels(impl, dev):
-        out = torch.empty(w * w + w * channels + total, dtype=torch.int32, device=dev)
+        # (one element more, and at least one row: an empty output still points into an allocation,
+        # which Triton's launcher checks of every pointer it is given)
+        out = torch.empty(w * w + w * channels + total + 1, dtype=torch.int32, device=dev)
         prefix = out[: w * w].view(w, w)
         rchan = out[w * w : w * w + w * channels].view(w, channels)
-        src_idx = out[w * w + w * channels :]
+        src_idx = out[w * w + w * channels : w * w + w * channels + total]
         recv_idx = recv_w = None
         if topk is not None:
             gidx, gw, e_local, idx_dtype = topk
-            recv_idx = torch.empty(rows, k, dtype=idx_dtype, device=dev)
-            recv_w = torch.empty(rows, k, dtype=torch.float32, device=dev)
+            recv_idx = torch.empty(max(rows, 1), k, dtype=idx_dtype, device=dev)[:rows]
+            recv_w = torch.empty(max(rows, 1), k, dtype=torch.float32, device=dev)[:rows]
         _launcher("recv_side_kernel")(
             (w + 1,),
             table,
