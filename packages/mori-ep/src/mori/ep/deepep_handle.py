@@ -19,9 +19,10 @@ and then needs, on this rank:
 
 On a GPU each side is one Triton launch (:mod:`mori.ep.deepep_handle_kernels`, relaunched
 without Triton's per-call dispatch, :class:`mori.core.relaunch.Relaunch`) that reads the table
-where the all-gather left it, on the device; on the CPU runtime the same results come from torch
-operations on the host copy. About fifty small torch launches were there before: on an H200 host
-they cost 2 ms per dispatch, eight times the operator's own dispatch.
+where the all-gather left it, on the device, and the all-gather's puts are a third
+(:func:`put_counts`); on the CPU runtime the same results come from torch operations on the host
+copy. About sixty small torch launches were there before: on an H200 host they cost 2 ms per
+dispatch, eight times the operator's own dispatch.
 """
 
 from __future__ import annotations
