@@ -8,8 +8,8 @@ kernels it launched (the EP layer's bookkeeping kernels run for a few microsecon
 
 The key is never coarser than Triton's: a tensor by its dtype, its 16-byte alignment and, on
 AMD GPUs, whether its storage is under 2 GiB (what Triton's backends specialise on); an int by
-whether it is 1, a multiple of 16, or 32-bit; every keyword argument (the ``tl.constexpr`` ones,
-``num_warps``) by value. A key Triton would treat alike costs one more ``warmup`` (a hit in
+whether it is 1, a multiple of 16, and 32-bit, 64-bit or unsigned 64-bit; every keyword
+argument (the ``tl.constexpr`` ones, ``num_warps``) by value. A key Triton would treat alike costs one more ``warmup`` (a hit in
 Triton's cache), never a wrong kernel. The launch is the call ``compiled[grid](*args)`` makes
 (``CompiledKernel.run`` with its function handle, metadata and Triton's launch hooks), made
 directly. On an H200 host the layout kernel of :mod:`mori.ep.layout` launched in 12 us this way
@@ -74,8 +74,10 @@ class Relaunch:
                     key.append((a.dtype, a.data_ptr() & 15 == 0, a.untyped_storage().nbytes() < 1 << 31))
                 else:
                     key.append((a.dtype, a.data_ptr() & 15 == 0))
-            elif type(a) is int:
-                key.append(1 if a == 1 else 16 if a & 15 == 0 else 32 if -(1 << 31) <= a < 1 << 31 else 64)
+            elif type(a) is int:  # 1, a multiple of 16, and the type: i32, i64 or u64
+                key.append(
+                    (a == 1) + 2 * (a & 15 == 0) + 4 * (-(1 << 31) <= a < 1 << 31) + 8 * (a >= 1 << 63)
+                )
             else:
                 key.append(_spec(a))
         key.append(tuple(kw.items()))  # constexprs and options, by value (in the caller's order)
@@ -92,9 +94,8 @@ class Relaunch:
             missing = [n for n in rest if n not in kw and n not in self._defaults]
             if missing:
                 raise TypeError(f"{self._name}: missing the argument {missing[0]!r}")
-            compiled = load_compiled(
-                self.kernel.warmup(*args, grid=grid, **kw)
-            )  # (as compiled[grid] does first)
+            # loaded into the context here, as compiled[grid] does before its first launch
+            compiled = load_compiled(self.kernel.warmup(*args, grid=grid, **kw))
             tail = tuple(kw[n] if n in kw else self._defaults[n] for n in rest)
             compiled = self._compiled[key] = (compiled, tail)
         kernel, tail = compiled
