@@ -17,12 +17,13 @@ directly. On an H200 host the layout kernel of :mod:`mori.ep.layout` launched in
 ``TRITON_INTERPRET=1`` (the kernel is an ``InterpretedFunction``) the launch is the plain
 ``kernel[grid](...)``.
 
-    launch = Relaunch(scale_kernel)      # once, at import
+    launch = Relaunch("mypkg.kernels:scale_kernel")      # once, at import
     launch((triton.cdiv(n, 1024),), x, n, BLOCK=1024, num_warps=4)
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from typing import Any
 
@@ -41,14 +42,25 @@ def _spec(arg: Any) -> Any:
 
 
 class Relaunch:
-    """``kernel`` (a ``@triton.jit`` function) launched by ``self(grid, *args, **constexprs_and_options)``.
+    """``kernel`` launched by ``self(grid, *args, **constexprs_and_options)``.
 
-    ``args`` are the kernel's leading parameters, positionally; every later parameter (its
-    ``tl.constexpr`` ones) by keyword or by its default; ``num_warps`` and the other launch options
-    by keyword. A parameter given by keyword is keyed by its value: pass runtime arguments
-    positionally. ``grid`` is a tuple of one to three program counts."""
+    ``kernel`` is a ``@triton.jit`` function, or its ``"package.module:name"``, imported on the
+    first launch (so a module can make its launchers at import without importing Triton, and
+    tests may set ``TRITON_INTERPRET`` before the kernel's module is imported). ``args`` are the
+    kernel's leading parameters, positionally; every later parameter (its ``tl.constexpr`` ones)
+    by keyword or by its default; ``num_warps`` and the other launch options by keyword. A
+    parameter given by keyword is keyed by its value: pass runtime arguments positionally.
+    ``grid`` is a tuple of one to three program counts."""
 
     def __init__(self, kernel: Any) -> None:
+        self._source = kernel
+        self._ready = False
+
+    def _resolve(self) -> None:
+        kernel = self._source
+        if isinstance(kernel, str):
+            module, _, name = kernel.partition(":")
+            kernel = getattr(importlib.import_module(module), name)
         self.kernel = kernel
         self._interpreted = type(kernel).__name__ == "InterpretedFunction"
         fn = getattr(kernel, "fn", kernel)
@@ -64,6 +76,7 @@ class Relaunch:
 
             self._torch, self._knobs, self._driver = torch, knobs, driver
             self._sizes = torch.version.hip is not None  # (AMD's buffer ops: tensors under 2 GiB)
+        self._ready = True
 
     def _key(self, args: tuple[Any, ...], kw: dict[str, Any]) -> tuple[Any, ...]:
         key: list[Any] = [self._torch.cuda.current_device()]
@@ -84,6 +97,8 @@ class Relaunch:
         return tuple(key)
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **kw: Any) -> None:
+        if not self._ready:
+            self._resolve()
         if self._interpreted:
             self.kernel[grid](*args, **kw)
             return

@@ -28,21 +28,15 @@ dispatch, eight times the operator's own dispatch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from mori.core.relaunch import Relaunch
+from mori.ep.layout import IMPLS, pow2_at_least
+
 __all__ = ["IMPLS", "RecvSide", "SendSide", "put_counts", "recv_side", "send_side", "uses_kernels"]
 
-#: "auto" (the kernels on a GPU, torch on the CPU), "triton" (the kernels; on the CPU only under
-#: TRITON_INTERPRET=1), "torch"
-IMPLS = ("auto", "triton", "torch")
-
 _BLOCK = 1024  #: tokens (send side) or rows (receive side) per step of one program
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def uses_kernels(impl: str, device: torch.device) -> bool:
@@ -52,19 +46,11 @@ def uses_kernels(impl: str, device: torch.device) -> bool:
     return impl == "triton" or (impl == "auto" and device.type != "cpu")
 
 
-_launchers: dict[str, Any] = {}
-
-
-def _launcher(name: str) -> Any:
-    """The kernel ``name`` of :mod:`mori.ep.deepep_handle_kernels` (imported on first use, so the
-    CPU runtime never imports Triton here and tests may set ``TRITON_INTERPRET`` first)."""
-    launch = _launchers.get(name)
-    if launch is None:
-        from mori.core.relaunch import Relaunch
-        from mori.ep import deepep_handle_kernels
-
-        launch = _launchers[name] = Relaunch(getattr(deepep_handle_kernels, name))
-    return launch
+# the kernels of mori.ep.deepep_handle_kernels, imported on the first launch (so the CPU runtime
+# never imports Triton here and tests may set TRITON_INTERPRET first)
+_PUT_COUNTS = Relaunch("mori.ep.deepep_handle_kernels:put_counts_kernel")
+_SEND_SIDE = Relaunch("mori.ep.deepep_handle_kernels:send_side_kernel")
+_RECV_SIDE = Relaunch("mori.ep.deepep_handle_kernels:recv_side_kernel")
 
 
 def put_counts(
@@ -82,7 +68,7 @@ def put_counts(
     w, e = int(addrs.shape[0]), int(per_expert.shape[0])
     if len(words) != 6:
         raise ValueError(f"deepep_handle.put_counts: words has {len(words)} entries, not 6")
-    _launcher("put_counts_kernel")(
+    _PUT_COUNTS(
         (w,),
         addrs,
         offset,
@@ -92,8 +78,8 @@ def put_counts(
         n,
         *words,
         W=w,
-        W_P2=_pow2_at_least(w),
-        E_P2=_pow2_at_least(e),
+        W_P2=pow2_at_least(w),
+        E_P2=pow2_at_least(e),
         num_warps=4,
     )
 
@@ -135,7 +121,7 @@ def send_side(
         total = out[w * m : w * m + 1]
         send_head = out[w * m + 1 : w * m + 1 + n * w].view(n, w)
         chan = out[w * m + 1 + n * w :].view(w, channels)
-        _launcher("send_side_kernel")(
+        _SEND_SIDE(
             (w,),
             in_rank.view(torch.uint8),
             n,
@@ -150,8 +136,8 @@ def send_side(
             chan,
             channels,
             W=w,
-            W_P2=_pow2_at_least(w),
-            C_P2=_pow2_at_least(channels + 1),
+            W_P2=pow2_at_least(w),
+            C_P2=pow2_at_least(channels + 1),
             BLOCK=_BLOCK,
             num_warps=4,
         )
@@ -203,7 +189,7 @@ def recv_side(
             gidx, gw, e_local, idx_dtype = topk
             recv_idx = torch.empty(max(rows, 1), k, dtype=idx_dtype, device=dev)[:rows]
             recv_w = torch.empty(max(rows, 1), k, dtype=torch.float32, device=dev)[:rows]
-        _launcher("recv_side_kernel")(
+        _RECV_SIDE(
             (w + 1,),
             table,
             table.stride(0),
@@ -222,10 +208,10 @@ def recv_side(
                 else (src_idx, 0, src_idx, 0, src_idx, src_idx, 1)
             ),
             W=w,
-            W_P2=_pow2_at_least(w),
-            C_P2=_pow2_at_least(channels + 1),
+            W_P2=pow2_at_least(w),
+            C_P2=pow2_at_least(channels + 1),
             K=max(k, 1),
-            K_P2=_pow2_at_least(max(k, 1)),
+            K_P2=pow2_at_least(max(k, 1)),
             HAS_TOPK=topk is not None,
             BLOCK=_BLOCK // 4,
             num_warps=4,

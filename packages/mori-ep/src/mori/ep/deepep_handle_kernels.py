@@ -10,12 +10,9 @@ import triton
 import triton.language as tl
 
 from mori.core.kernels import aot_variants
+from mori.ep.layout import pow2_at_least as _p2
 
 __all__ = ["put_counts_kernel", "recv_side_kernel", "send_side_kernel"]
-
-
-def _p2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _send_variants() -> list[dict[str, object]]:

@@ -13,18 +13,20 @@ as ``-1``; callers that can afford it (the CPU runtime) reject them before.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-__all__ = ["IMPLS", "dispatch_layout"]
+from mori.core.relaunch import Relaunch
+
+__all__ = ["IMPLS", "dispatch_layout", "pow2_at_least"]
 
 #: implementations: "auto" (the kernel on a GPU, torch on the CPU), "triton" (the kernel; on the
 #: CPU only under TRITON_INTERPRET=1), "torch"
 IMPLS = ("auto", "triton", "torch")
 
 
-def _pow2_at_least(n: int) -> int:
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``): the block sizes of the layout and
+    handle kernels."""
     return 1 << max(0, n - 1).bit_length()
 
 
@@ -42,19 +44,10 @@ def _torch_layout(
     return in_rank.sum(0, dtype=torch.int32), per_expert, in_rank
 
 
-_relaunch: list[Any] = []
-
-
-def _kernel() -> Any:
-    """The layout kernel, relaunched without Triton's per-call dispatch (on an H200 host that
-    dispatch took longer than the kernel); imported on first use, so the CPU runtime never
-    imports Triton here and tests may set ``TRITON_INTERPRET`` first."""
-    if not _relaunch:
-        from mori.core.relaunch import Relaunch
-        from mori.ep.layout_kernel import dispatch_layout_kernel
-
-        _relaunch.append(Relaunch(dispatch_layout_kernel))
-    return _relaunch[0]
+#: the layout kernel, relaunched without Triton's per-call dispatch (on an H200 host that dispatch
+#: took longer than the kernel); its module is imported on the first launch, so the CPU runtime
+#: never imports Triton here
+_KERNEL = Relaunch("mori.ep.layout_kernel:dispatch_layout_kernel")
 
 
 def dispatch_layout(
@@ -73,7 +66,7 @@ def dispatch_layout(
     in_rank = torch.empty(n, world, dtype=torch.bool, device=idx.device)
     if n:
         bt = 64
-        _kernel()(
+        _KERNEL(
             (-(-n // bt),),
             idx,
             n,
@@ -83,10 +76,10 @@ def dispatch_layout(
             num_experts,
             num_experts // world,
             W=world,
-            W_P2=_pow2_at_least(world),
+            W_P2=pow2_at_least(world),
             K=k,
-            K_P2=_pow2_at_least(k),
-            E_P2=_pow2_at_least(num_experts + 1),
+            K_P2=pow2_at_least(k),
+            E_P2=pow2_at_least(num_experts + 1),
             BT=bt,
             num_warps=4,
         )

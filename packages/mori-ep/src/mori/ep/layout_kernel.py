@@ -9,12 +9,9 @@ import triton
 import triton.language as tl
 
 from mori.core.kernels import aot_variants
+from mori.ep.layout import pow2_at_least
 
 __all__ = ["dispatch_layout_kernel"]
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _layout_variants() -> list[dict[str, object]]:
@@ -38,10 +35,10 @@ def _layout_variants() -> list[dict[str, object]]:
                 },
                 "constexprs": {
                     "W": w,
-                    "W_P2": _pow2_at_least(w),
+                    "W_P2": pow2_at_least(w),
                     "K": k,
-                    "K_P2": _pow2_at_least(k),
-                    "E_P2": _pow2_at_least(e + 1),
+                    "K_P2": pow2_at_least(k),
+                    "E_P2": pow2_at_least(e + 1),
                     "BT": 64,
                 },
                 "aligned": ("idx_ptr", "per_rank_ptr", "per_expert_ptr"),
