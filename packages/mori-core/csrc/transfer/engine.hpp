@@ -375,12 +375,15 @@ class Engine {
   void serve_requests(int fd, const PeerCred& cred, const std::string& peer_key, int slot);
 
   // -- initiator side (peers.cpp; direct.cpp for the direct path) --
+  // All of a peer's connections, within one MORI_IO_CP_TIMEOUT_MS from the call (every attempt,
+  // fallback and extra connection shares that deadline: a silent peer costs the timeout once).
   std::string connect_peer(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out);
-  // One connection: connect (TCP to host:port, or the Unix socket `unix_name`), handshake. On
-  // success *ack holds the target's parameters, *unix_out its Unix socket name and, with `direct`,
-  // the grant and its descriptors.
-  std::string open_conn(const PeerPtr& p, const std::string& unix_name, bool direct, std::shared_ptr<Conn>* out,
-                        AckParams* ack, std::string* unix_out, std::shared_ptr<Direct>* direct_out);
+  // One connection: connect (TCP to host:port, or the Unix socket `unix_name`), handshake, all
+  // before `deadline_ms` (now_ms() clock). On success *ack holds the target's parameters,
+  // *unix_out its Unix socket name and, with `direct`, the grant and its descriptors.
+  std::string open_conn(const PeerPtr& p, const std::string& unix_name, bool direct, int64_t deadline_ms,
+                        std::shared_ptr<Conn>* out, AckParams* ack, std::string* unix_out,
+                        std::shared_ptr<Direct>* direct_out);
   void close_conns(std::vector<std::shared_ptr<Conn>>& conns);
   // The peer's connections (reconnecting broken or idle ones) into *out unless null, and its direct path.
   std::string peer_conns(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out, std::shared_ptr<Direct>* direct);

@@ -122,10 +122,15 @@ std::vector<Fd> own(const std::vector<int>& fds) {
 
 PeerCred peer_credentials(int fd) { return unix_peer(fd); }
 
-std::string Engine::open_conn(const PeerPtr& p, const std::string& unix_name, bool direct, std::shared_ptr<Conn>* out,
-                              AckParams* ack, std::string* unix_out, std::shared_ptr<Direct>* direct_out) {
+std::string Engine::open_conn(const PeerPtr& p, const std::string& unix_name, bool direct, int64_t deadline_ms,
+                              std::shared_ptr<Conn>* out, AckParams* ack, std::string* unix_out,
+                              std::shared_ptr<Direct>* direct_out) {
   const TcpConfig tcp = tcp_config();
   const std::string where = unix_name.empty() ? p->host + ":" + std::to_string(p->port) : "its Unix socket";
+  const std::string timed_out = "no answer within MORI_IO_CP_TIMEOUT_MS=" + std::to_string(cfg_.cp_timeout_ms) + " ms";
+  // What is left of the deadline for one wait (at least 1 ms: 0 would mean "no timeout" to
+  // SO_SNDTIMEO, and poll(0) would not wait for a connect already under way).
+  auto left_ms = [&] { return std::max<int64_t>(1, deadline_ms - now_ms()); };
   Fd fd;
   if (!unix_name.empty()) {
     sockaddr_un a;
@@ -133,8 +138,14 @@ std::string Engine::open_conn(const PeerPtr& p, const std::string& unix_name, bo
     if (!unix_address(unix_name, &a, &alen)) return "bad Unix socket name from the peer";
     fd.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
     if (!fd) return "socket(AF_UNIX): " + errno_text(errno);
-    if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), alen) != 0)
-      return "cannot connect to " + where + ": " + errno_text(errno);
+    // A Unix connect waits while the target's backlog is full (a hung target stops accepting):
+    // bounded by SO_SNDTIMEO, which has to be set before.
+    set_timeouts(fd.get(), left_ms());
+    if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), alen) != 0) {
+      const int e = errno;
+      return "cannot connect to " + where + ": " +
+             (e == EAGAIN || e == EINPROGRESS ? "connect timed out, " + timed_out : errno_text(e));
+    }
     tune_socket(fd.get(), tcp.socket_buffer_bytes);
   } else {
     addrinfo hints{}, *res = nullptr;
@@ -156,8 +167,12 @@ std::string Engine::open_conn(const PeerPtr& p, const std::string& unix_name, bo
       pollfd pf{s.get(), POLLOUT, 0};
       int e = 0;
       socklen_t el = sizeof e;
-      if (::poll(&pf, 1, int(cfg_.cp_timeout_ms)) != 1) {
-        last = "connect timed out after MORI_IO_CP_TIMEOUT_MS=" + std::to_string(cfg_.cp_timeout_ms) + " ms";
+      int r;
+      do {
+        r = ::poll(&pf, 1, int(std::min<int64_t>(left_ms(), 1 << 30)));
+      } while (r < 0 && errno == EINTR && now_ms() < deadline_ms);
+      if (r != 1) {
+        last = "connect timed out, " + timed_out;
         continue;
       }
       if (::getsockopt(s.get(), SOL_SOCKET, SO_ERROR, &e, &el) != 0 || e != 0) {
@@ -169,10 +184,11 @@ std::string Engine::open_conn(const PeerPtr& p, const std::string& unix_name, bo
     if (!fd) return "cannot connect to " + where + ": " + last;
     ::fcntl(fd.get(), F_SETFL, ::fcntl(fd.get(), F_GETFL) & ~O_NONBLOCK);
   }
+  // The connection's own send/receive timeout (Conn's "no progress" limit); the handshake's
+  // messages are small enough never to wait for it, their answers wait until `deadline_ms`.
   set_timeouts(fd.get(), cfg_.cp_timeout_ms);
 
   // The handshake (protocol.hpp): prove nothing to an engine that is not the one asked for.
-  const int64_t deadline = now_ms() + cfg_.cp_timeout_ms;
   const std::string client_nonce = random_string(kNonceBytes);
   Header h = make_header(kHello);
   if (direct) h.flags |= kFlagDirect;
@@ -187,8 +203,8 @@ std::string Engine::open_conn(const PeerPtr& p, const std::string& unix_name, bo
   if (!err.empty()) return fail(err);
   Header c;
   std::vector<uint8_t> cb;
-  err = recv_msg_until(fd.get(), &c, &cb, deadline);
-  if (!err.empty()) return fail(err == kTimedOut ? "no answer within MORI_IO_CP_TIMEOUT_MS" : err);
+  err = recv_msg_until(fd.get(), &c, &cb, deadline_ms);
+  if (!err.empty()) return fail(err == kTimedOut ? timed_out : err);
   if (c.type == kHelloAck && c.status != 0) return fail(std::string(cb.begin(), cb.end()));
   if (c.type != kChallenge) return fail("unexpected answer to HELLO (message type " + std::to_string(c.type) + ")");
   std::vector<std::string> ch;
@@ -219,9 +235,9 @@ std::string Engine::open_conn(const PeerPtr& p, const std::string& unix_name, bo
   std::vector<uint8_t> ab;
   std::vector<int> raw_fds;
   const bool want_fds = direct && !unix_name.empty();
-  err = recv_msg_until(fd.get(), &a, &ab, deadline, want_fds ? &raw_fds : nullptr, 2);
+  err = recv_msg_until(fd.get(), &a, &ab, deadline_ms, want_fds ? &raw_fds : nullptr, 2);
   std::vector<Fd> fds = own(raw_fds);
-  if (!err.empty()) return fail(err == kTimedOut ? "no answer within MORI_IO_CP_TIMEOUT_MS" : err);
+  if (!err.empty()) return fail(err == kTimedOut ? timed_out : err);
   if (a.type != kHelloAck) return fail("unexpected answer to AUTH (message type " + std::to_string(a.type) + ")");
   if (a.status != 0) return fail(std::string(ab.begin(), ab.end()));
   const bool granted = want_fds && (a.flags & kFlagDirect);
@@ -253,7 +269,11 @@ std::string Engine::open_conn(const PeerPtr& p, const std::string& unix_name, bo
 
 // A fresh set of connections: over the target's Unix socket when it is on this node and that
 // socket is reachable (known from an earlier handshake, else learnt over TCP first), else TCP.
+// One deadline for all of it: each attempt, fallback and extra connection used to get its own
+// MORI_IO_CP_TIMEOUT_MS (and a connect another one for its handshake), so a peer that answered
+// slowly, or went silent after the first connection, held the caller for several timeouts.
 std::string Engine::connect_peer(const PeerPtr& p, std::vector<std::shared_ptr<Conn>>* out) {
+  const int64_t deadline = now_ms() + cfg_.cp_timeout_ms;
   const TcpConfig tcp = tcp_config();
   const int n = std::max(1, tcp.conns_per_peer);
   const bool want_direct = tcp.enable_cma && p->same_node;
@@ -263,7 +283,7 @@ std::string Engine::connect_peer(const PeerPtr& p, std::vector<std::shared_ptr<C
   std::shared_ptr<Direct> d;
   p->local_ipc = false;
   if (p->same_node && !p->unix_name.empty()) {
-    std::string err = open_conn(p, p->unix_name, want_direct, &c, &ack, &unix_name, &d);
+    std::string err = open_conn(p, p->unix_name, want_direct, deadline, &c, &ack, &unix_name, &d);
     if (err.empty()) {
       p->local_ipc = true;
     } else {
@@ -273,12 +293,12 @@ std::string Engine::connect_peer(const PeerPtr& p, std::vector<std::shared_ptr<C
     }
   }
   if (!c) {
-    std::string err = open_conn(p, "", false, &c, &ack, &unix_name, nullptr);
+    std::string err = open_conn(p, "", false, deadline, &c, &ack, &unix_name, nullptr);
     if (!err.empty()) return err;
     if (p->same_node && !unix_name.empty()) {
       std::shared_ptr<Conn> u;
       std::string unused;
-      err = open_conn(p, unix_name, want_direct, &u, &ack, &unused, &d);
+      err = open_conn(p, unix_name, want_direct, deadline, &u, &ack, &unused, &d);
       if (err.empty()) {
         c->close();
         c = std::move(u);
@@ -297,7 +317,7 @@ std::string Engine::connect_peer(const PeerPtr& p, std::vector<std::shared_ptr<C
     std::string unused;
     AckParams more{};
     std::shared_ptr<Conn> next;
-    std::string err = open_conn(p, p->local_ipc ? p->unix_name : "", false, &next, &more, &unused, nullptr);
+    std::string err = open_conn(p, p->local_ipc ? p->unix_name : "", false, deadline, &next, &more, &unused, nullptr);
     if (!err.empty()) return err;
     out->push_back(std::move(next));
   }

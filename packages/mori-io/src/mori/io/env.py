@@ -49,9 +49,9 @@ def _cma_split_bytes(text: str) -> int:
 MORI_IO_CP_TIMEOUT_MS = EnvVar(
     "MORI_IO_CP_TIMEOUT_MS",
     "30000",
-    "Milliseconds a peer may stay silent while transfers to it are pending (and a connect or "
-    "handshake may take) before those transfers fail with ERR_BAD_STATE; also bounds how long "
-    "deregister_memory waits for transfers on the region.",
+    "Milliseconds a peer may stay silent while transfers to it are pending (and connecting to it, "
+    "all of its connections together, may take) before those transfers fail with ERR_BAD_STATE; "
+    "also bounds how long deregister_memory waits for transfers on the region.",
     "5000",
     _positive_int,
     "a whole number of milliseconds > 0",
