@@ -16,6 +16,7 @@ import torch
 
 import mori.shmem as shmem
 from mori.core.errors import MoriStateError, MoriValueError
+from mori.core.relaunch import Relaunch
 from mori.ep import agreement, tuning
 
 if TYPE_CHECKING:
@@ -24,6 +25,14 @@ if TYPE_CHECKING:
 __all__ = ["KernelPath", "TileConfig"]
 
 _WORDS = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+#: the kernels of :mod:`mori.ep.kernels`, relaunched from Triton's compiled kernel without its
+#: per-call binding of some forty arguments (:class:`mori.core.relaunch.Relaunch`); imported on
+#: the first launch, after the caller chose ``TRITON_INTERPRET``
+_RELAUNCH = {
+    name: Relaunch(f"mori.ep.kernels:{name}")
+    for name in ("dispatch_kernel", "dispatch_recv_kernel", "combine_kernel", "combine_push_kernel")
+}
 
 
 def _pow2_at_most(n: int) -> int:
@@ -130,9 +139,14 @@ class KernelPath:
         #: the mori.viz trace buffer the kernels record into (their traced variants), or None
         self.trace: Any = None
 
-    def _trace(self) -> dict[str, Any]:
-        # launch arguments of the traced variant; none (the defaults: untraced) when off
-        return {} if self.trace is None else {"trace_ptr": self.trace.tensor, "TRACE": True}
+    def _launch(self, name: str, grid: tuple[int, ...], *args: Any, **kw: Any) -> None:
+        """Launch kernel ``name`` of :mod:`mori.ep.kernels`: untraced through its
+        :class:`~mori.core.relaunch.Relaunch`, traced (a tensor passed by keyword, which Relaunch
+        would key by value) through Triton's own launch with the trace arguments."""
+        if self.trace is None:
+            _RELAUNCH[name](grid, *args, **kw)
+        else:
+            getattr(self.kernels, name)[grid](*args, **kw, trace_ptr=self.trace.tensor, TRACE=True)
 
     # -- geometry ------------------------------------------------------------------------------
 
@@ -196,7 +210,9 @@ class KernelPath:
         else:
             sc, sb, sc_stride = op.buffers.recv_scales, 0, 0
         dest_slot = routing.dest_slot if routing is not None else self.dest_slot
-        self.kernels.dispatch_kernel[(grid,)](
+        self._launch(
+            "dispatch_kernel",
+            (grid,),
             inp_w,
             inp_w.stride(0),
             wts,
@@ -235,7 +251,6 @@ class KernelPath:
             BLOCK=tile.block,
             SC_BLOCK=min(256, _pow2_at_least(max(sb, 1))),
             num_warps=warps,
-            **self._trace(),
         )
 
     def disagreement(self, func: str) -> MoriValueError | None:
@@ -257,13 +272,14 @@ class KernelPath:
         op = self.op
         if launch:
             replay_total = routing.total_recv if routing is not None else self.total_recv
-            self.kernels.dispatch_recv_kernel[(1,)](
+            self._launch(
+                "dispatch_recv_kernel",
+                (1,),
                 self.ctrl,
                 self.total_recv,
                 replay_total,
                 W=op.world_size,
                 REPLAY=routing is not None,
-                **self._trace(),
             )
         if count:
             self._local_expert_count()
@@ -367,7 +383,9 @@ class KernelPath:
         block = min(_pow2_at_least(max(h, nb // word)), max(2048, tile_elems // bt), 8192)
         dest_slot = routing.dest_slot if routing is not None else self.dest_slot
         wts = weights.contiguous() if weights is not None else self.comb_w  # unused when HAS_W=0
-        kern.combine_push_kernel[(grid,)](
+        self._launch(
+            "combine_push_kernel",
+            (grid,),
             inp_w,
             inp_w.stride(0),
             input,
@@ -401,7 +419,6 @@ class KernelPath:
             BT=bt,
             BLOCK=block,
             num_warps=warps,
-            **self._trace(),
         )
 
     def _push_chunk(self, block_num: int, warp_per_block: int, dtype: torch.dtype) -> int | None:
@@ -452,7 +469,9 @@ class KernelPath:
         total = routing.total_recv if routing is not None else self.total_recv
         dest_slot = routing.dest_slot if routing is not None else self.dest_slot
         wts = weights.contiguous() if weights is not None else self.comb_w  # unused when HAS_W=0
-        kern.combine_kernel[(grid,)](
+        self._launch(
+            "combine_kernel",
+            (grid,),
             inp_w,
             inp_w.stride(0),
             input,
@@ -491,7 +510,6 @@ class KernelPath:
             BT=tile.rows,
             BLOCK=tile.block,
             num_warps=warps,
-            **self._trace(),
         )
 
 
