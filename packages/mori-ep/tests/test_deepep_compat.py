@@ -12,6 +12,8 @@ surface of DeepEP's ``Buffer`` / module, ``install_as_deep_ep``, the layout kern
 from __future__ import annotations
 
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -428,8 +430,11 @@ def _handle_kernels(rank: int, world: int, device: str = "cpu") -> str:
             table[:, 1 + me] = 0
         m = max(16, 1 << max(0, max(n, int(table[:, 0].max())) - 1).bit_length())
         in_rank_d, table_d = in_rank.to(dev), table.to(dev)
+        own = in_rank_d.sum(0, dtype=torch.int32)
         for _ in range(2):  # (on a GPU the second call is a relaunch of the compiled kernel)
-            got = deepep_handle.send_side(in_rank_d, table_d, table, me, m, channels, impl="triton")
+            got = deepep_handle.send_side(
+                in_rank_d, table_d, None, me, m, channels, impl="triton", per_rank=own
+            )
         want = deepep_handle.send_side(in_rank_d, table_d, table, me, m, channels, impl="torch")
         got = deepep_handle.SendSide(
             *(t.cpu() for t in (got.dest, got.total, got.send_head, got.channel_prefix))
@@ -464,9 +469,20 @@ def _handle_kernels(rank: int, world: int, device: str = "cpu") -> str:
             gw = torch.rand(total + 3, k, generator=gen)
             topk = (gidx.to(dev), gw.to(dev), e_local, dt)
         args = (table_d, table, me, recv_src_pos.to(dev), w * m, channels, total + pad, topk)
+        # the operator's slot table, copied by the same launch (every other case without it)
+        slot = torch.randint(-1, 50, (w, m), generator=gen, dtype=torch.int32).to(dev) if seed % 2 else None
         for _ in range(2):
-            got_r = deepep_handle.recv_side(*args, impl="triton")
-        want_r = deepep_handle.recv_side(*args, impl="torch")
+            got_r = deepep_handle.recv_side(*args, impl="triton", recv_slot=slot)
+        want_r = deepep_handle.recv_side(*args, impl="torch", recv_slot=slot)
+        assert torch.equal(got_r.recv_src_pos.cpu(), recv_src_pos), seed
+        # (16-byte aligned like the operator's tables: Triton specialises combine on it)
+        assert got_r.recv_src_pos.data_ptr() % 16 == 0, seed
+        if slot is None:
+            assert got_r.recv_slot is None
+        else:
+            assert got_r.recv_slot is not None and got_r.recv_slot.data_ptr() != slot.data_ptr()
+            assert torch.equal(got_r.recv_slot.cpu(), slot.cpu()), seed
+            assert got_r.recv_slot.data_ptr() % 16 == 0, seed
         for name in ("rank_prefix", "recv_channel_prefix", "recv_src_idx", "recv_idx", "recv_w"):
             g, r = getattr(got_r, name), getattr(want_r, name)
             if r is None:
@@ -478,21 +494,55 @@ def _handle_kernels(rank: int, world: int, device: str = "cpu") -> str:
             assert got_r.recv_idx is not None and got_r.recv_w is not None
             assert bool((got_r.recv_idx[total:] == -1).all()) and bool((got_r.recv_w[total:] == 0).all())
 
-    # the all-gather's puts: this rank's row into every rank's table (here w local tables); n = 1
-    # and words of 1 arrive in the kernel as constants, which it must handle like any value
-    for w, e, n, words in ((2, 8, 1, [1, 1, 1, 0, 1, 1]), (3, 12, 70, [5, 7168, 56, 4, 0, 8])):
-        width = 1 + w + e + 6
-        tables = [torch.full((2, w, width), -7, dtype=torch.int64, device=dev) for _ in range(w)]
-        addrs = torch.tensor([t.data_ptr() for t in tables], dtype=torch.int64, device=dev)
-        per_rank = torch.arange(w, dtype=torch.int32, device=dev) + 3
-        per_expert = torch.arange(e, dtype=torch.int32, device=dev) * 2
-        for par, me in ((1, w - 1), (0, 0)):
-            deepep_handle.put_counts(addrs, (par * w + me) * width, n, per_rank, per_expert, words)
-            want = torch.tensor([n, *range(3, 3 + w), *range(0, 2 * e, 2), *words])
-            for t in tables:
-                assert torch.equal(t[par, me].cpu(), want), (w, par, me)
-        for t in tables:
-            assert int((t != -7).sum()) == 2 * width, "wrote outside the two rows"
+    # the all-gather in the send side's launch: this rank's row (epoch last) into every rank's
+    # table (here w local tables), then a wait for the other ranks' rows of its own table (here
+    # written beforehand, with the epoch), then the send side from the complete table; n = 1 and
+    # words of 1 arrive in the kernel as constants, which it must handle like any value
+    for w, e, me, n, words in ((2, 8, 1, 1, [1, 1, 1, 0, 1, 1]), (3, 12, 0, 70, [5, 7168, 56, 4, 0, 8])):
+        gen = torch.Generator().manual_seed(100 + w)
+        width = 2 + w + e + 6
+        in_rank = torch.rand(n, w, generator=gen) < 0.5
+        per_rank = in_rank.sum(0, dtype=torch.int32)
+        per_expert = torch.arange(e, dtype=torch.int32) * 2
+        for par, epoch, late in ((1, 5, False), (0, 6, True)):
+            tables = [torch.full((2, w, width), -7, dtype=torch.int64) for _ in range(w)]
+            for s in range(w):  # the other ranks' rows of this rank's table
+                if s != me:
+                    tables[me][par, s] = torch.randint(0, 9, (width,), generator=gen)
+                    tables[me][par, s, 0] = 20
+                    tables[me][par, s, -1] = epoch
+            before = [t.clone() for t in tables]
+            tables = [t.to(dev) for t in tables]
+            # one peer's row arrives 2 s after the launch: the kernel must wait for it (in the
+            # interpreter only: on a GPU the late copy would queue behind the waiting kernel)
+            late = late and dev.type == "cpu"
+            if late:
+                peer = (me + 1) % w
+                arrived = before[me][par, peer].to(dev)
+                tables[me][par, peer] = -7
+                timer = threading.Timer(2.0, lambda t=tables[me], a=arrived, p=peer, q=par: t[q, p].copy_(a))
+                timer.start()
+                t0 = time.monotonic()
+            addrs = torch.tensor([t.data_ptr() for t in tables], dtype=torch.int64, device=dev)
+            put = deepep_handle.Put(
+                addrs, (par * w + me) * width, epoch, per_rank.to(dev), per_expert.to(dev), words
+            )
+            got = deepep_handle.send_side(
+                in_rank.to(dev), tables[me][par], None, me, 128, 3, impl="triton", put=put
+            )
+            if late:
+                assert time.monotonic() - t0 >= 2.0, "the send side did not wait for a peer's row"
+                timer.join()
+            row = torch.tensor([n, *per_rank.tolist(), *range(0, 2 * e, 2), *words, epoch])
+            for t, b0 in zip(tables, before, strict=True):
+                t = t.cpu()
+                assert torch.equal(t[par, me], row), (w, par)
+                b0[par, me] = row
+                assert torch.equal(t, b0), "wrote outside this rank's rows"
+            host = tables[me][par].cpu()
+            want = deepep_handle.send_side(in_rank.to(dev), tables[me][par], host, me, 128, 3, impl="torch")
+            for name in ("dest", "total", "send_head", "channel_prefix"):
+                assert torch.equal(getattr(got, name).cpu(), getattr(want, name).cpu()), (name, w, par)
     return "ok"
 
 

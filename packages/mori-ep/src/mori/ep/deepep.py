@@ -101,7 +101,7 @@ import torch
 
 import mori.shmem as shmem
 from mori.core.env import EnvVar, parse_bool
-from mori.core.errors import MoriBackendError, MoriStateError, bad_type, bad_value
+from mori.core.errors import MoriBackendError, MoriStateError, MoriValueError, bad_type, bad_value
 from mori.ep import agreement, deepep_handle, layout
 from mori.ep.config import MAX_EXPERTS_PER_TOKEN, EpDispatchCombineConfig, EpDispatchCombineKernelType
 from mori.ep.op import IMPLS, EpDispatchCombineOp, EpDispatchRoutingHandle
@@ -746,33 +746,35 @@ class Buffer:
 
     def _allgather_counts(
         self, n: int, per_rank: torch.Tensor, per_expert: torch.Tensor, words: list[int]
-    ) -> torch.Tensor:
-        """All-gather every rank's int64 row ``[n, per_rank, per_expert, *words]`` -> [group_size,
-        width], a view of the symmetric table valid until the second call after this one
-        (collective). On a GPU the puts into every rank's table are one launch.
+    ) -> tuple[torch.Tensor, deepep_handle.Put | None]:
+        """All-gather every rank's int64 row ``[n, per_rank, per_expert, *words, epoch]`` into a
+        [group_size, width] view of the symmetric table, valid until the second call after this
+        one (collective). On the kernels this returns the :class:`~mori.ep.deepep_handle.Put`
+        that the send side's launch does (nothing is launched here); else the rows are put and a
+        barrier is queued, and this returns None.
 
-        Two tables alternate: a peer writes this one again only after the next call's barrier,
-        which this rank's stream reaches after everything it queued before that call."""
-        width = 1 + per_rank.shape[0] + per_expert.shape[0] + len(words)
+        Two tables alternate: a peer writes this one again only after every rank's row of the
+        call between has arrived, which this rank sends after everything it queued before."""
+        width = 2 + per_rank.shape[0] + per_expert.shape[0] + len(words)
         table, peers, calls, addrs = self._table(width)
         par = calls[0] % 2
         calls[0] += 1
         if deepep_handle.uses_kernels(self._handle_impl, self.device):
             offset = (par * self.group_size + self.rank) * width
-            deepep_handle.put_counts(addrs, offset, n, per_rank, per_expert.to(self.device), words)
-        else:
-            row = torch.cat(
-                [
-                    torch.tensor([n]),
-                    per_rank.to(torch.int64),
-                    per_expert.to(dtype=torch.int64),
-                    torch.tensor(words),
-                ]
-            ).to(self.device)
-            for peer in peers:
-                peer[par, self.rank] = row
+            put = deepep_handle.Put(addrs, offset, calls[0], per_rank, per_expert.to(self.device), words)
+            return table[par], put
+        row = torch.cat(
+            [
+                torch.tensor([n]),
+                per_rank.to(torch.int64),
+                per_expert.to(dtype=torch.int64),
+                torch.tensor([*words, calls[0]]),
+            ]
+        ).to(self.device)
+        for peer in peers:
+            peer[par, self.rank] = row
         shmem.shmem_barrier_on_stream()
-        return table[par]
+        return table[par], None
 
     def _op(
         self,
@@ -999,7 +1001,6 @@ class Buffer:
                     ("num_tokens_per_rank", num_tokens_per_rank, per_rank),
                     ("num_tokens_per_expert", num_tokens_per_expert, per_expert),
                 ]
-            idx32 = topk_idx.to(torch.int32)
         else:
             # no top-k: route by is_token_in_rank alone, one pseudo expert id per destination rank
             if w > MAX_EXPERTS_PER_TOKEN:
@@ -1011,8 +1012,6 @@ class Buffer:
                 checks = [
                     ("num_tokens_per_rank", num_tokens_per_rank, is_token_in_rank.sum(0, dtype=torch.int32))
                 ]
-            first = (torch.arange(w, device=self.device, dtype=torch.int32) * e_local).expand(n, w)
-            idx32 = torch.where(is_token_in_rank, first, -1).contiguous()
         for name, got, want in checks:
             if not torch.equal(got, want):
                 raise bad_value(
@@ -1032,15 +1031,37 @@ class Buffer:
             int(topk_idx is not None),
             k,
         ]
-        gathered = self._allgather_counts(n, num_tokens_per_rank, num_tokens_per_expert, words)
+        hidden, elem = data.shape[1], max(data.element_size(), 2)
+        scale_dim = math.ceil(hidden / FP8_GROUP)
+        slot = self._next_slot(("normal", hidden, elem, e_local, k))
+        num_channels = (config or self.get_dispatch_config(w)).num_sms // 2
+        gathered, put = self._allgather_counts(n, num_tokens_per_rank, num_tokens_per_expert, words)
+        send = None
+        if put is not None:
+            # the all-gather and the send side in one launch, for the operator of this shape if it
+            # has room for this rank's tokens (every rank's count is checked below; if the operator
+            # changes, the send side is made again)
+            op = self._ops.get(("normal", hidden, elem, e_local, k, scale_dim, slot))
+            m = op.max_num_tokens_to_send_per_rank() if op is not None else 0
+            send = deepep_handle.send_side(
+                is_token_in_rank, gathered, None, self.rank, m if m >= n else _pow2_at_least(n), num_channels,
+                self._handle_impl, put=put,
+            )  # fmt: skip
+        # the operator's int32 expert ids, made while the all-gather runs on the device
+        if topk_idx is not None:
+            idx32 = topk_idx.to(torch.int32)
+        else:  # no top-k: one pseudo expert id per destination rank
+            first = (torch.arange(w, device=self.device, dtype=torch.int32) * e_local).expand(n, w)
+            idx32 = torch.where(is_token_in_rank, first, -1).contiguous()
         table = gathered.cpu()
-        err = agreement.mismatch(
-            func, "each dispatch call's arguments", _NORMAL_FIELDS, table[:, -len(words) :], self.rank
-        )
-        if err is not None:
-            raise err
         # Python arithmetic: a torch op on these few CPU numbers took 5-30 us (profiled)
         rows_of = table.tolist()
+        nw = len(words)
+        if any(r[-1 - nw : -1] != words for r in rows_of):
+            err = agreement.mismatch(
+                func, "each dispatch call's arguments", _NORMAL_FIELDS, table[:, -1 - nw : -1], self.rank
+            )
+            raise err or MoriValueError(f"{func}: the ranks disagree on each dispatch call's arguments")
         m = _pow2_at_least(max(r[0] for r in rows_of))
         total = sum(r[1 + self.rank] for r in rows_of)
         rows = num_worst_tokens or total
@@ -1048,19 +1069,17 @@ class Buffer:
             raise bad_value(
                 func, "num_worst_tokens", num_worst_tokens, f"at least the {total} rows this rank receives"
             )
-        hidden, elem = data.shape[1], max(data.element_size(), 2)
-        slot = self._next_slot(("normal", hidden, elem, e_local, k))
-        op = self._op("normal", m, hidden, elem, e_local, k, math.ceil(hidden / FP8_GROUP), slot)
+        op = self._op("normal", m, hidden, elem, e_local, k, scale_dim, slot)
         # rows land where DeepEP puts them: source rank by source rank, each source's by token, so
         # the operator replays a layout made here instead of reserving slots (no reordering after)
-        num_channels = (config or self.get_dispatch_config(w)).num_sms // 2
-        send = deepep_handle.send_side(
-            is_token_in_rank, gathered, table, self.rank, op.max_num_tokens_to_send_per_rank(), num_channels,
-            self._handle_impl,
-        )  # fmt: skip
+        m_op = op.max_num_tokens_to_send_per_rank()
+        if send is None or send.dest.shape[1] != m_op:
+            send = deepep_handle.send_side(
+                is_token_in_rank, gathered, table, self.rank, m_op, num_channels, self._handle_impl,
+                per_rank=num_tokens_per_rank,
+            )  # fmt: skip
         routing = EpDispatchRoutingHandle(send.dest, send.total, op.buffers.recv_src[:total], n)
         op.dispatch(data, topk_weights, scales, idx32, block_num=blocks, routing=routing)
-        self._snapshot(op, routing)
         recv = deepep_handle.recv_side(
             gathered,
             table,
@@ -1071,7 +1090,12 @@ class Buffer:
             rows,
             None if topk_idx is None else (op.buffers.recv_idx, op.buffers.recv_w, e_local, topk_idx.dtype),
             self._handle_impl,
+            None if op._kern is None else op._kern.recv_slot,
         )
+        # what combine needs of this dispatch after the operator's tables are overwritten
+        routing.recv_src_pos = recv.recv_src_pos
+        if recv.recv_slot is not None:
+            routing.recv_slot = recv.recv_slot
         items = (
             recv.rank_prefix,
             send.channel_prefix,
@@ -1097,7 +1121,7 @@ class Buffer:
         base = 1 + w + self.rank * e_local
         counts: list[int] = []
         if not num_worst_tokens:
-            per_local = [sum(r[base + j] for r in rows_of) for j in range(e_local)]
+            per_local = map(sum, zip(*(r[base : base + e_local] for r in rows_of), strict=True))
             counts = [-(-c // expert_alignment) * expert_alignment for c in per_local]
         out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
         return out_x, recv_idx, recv_w, counts, h, self._event_out(async_finish)
@@ -1110,13 +1134,6 @@ class Buffer:
         slot = self._slots.get(key, 1) ^ 1
         self._slots[key] = slot
         return slot
-
-    def _snapshot(self, op: EpDispatchCombineOp, routing: EpDispatchRoutingHandle) -> None:
-        """Keep what combine needs of this dispatch after the operator's tables are overwritten:
-        the received rows' source positions and, on the kernels, the receiver's slot table."""
-        routing.recv_src_pos = routing.recv_src_pos.clone()
-        if op._kern is not None:
-            routing.recv_slot = op._kern.recv_slot.clone()
 
     def _recv_rows(
         self, buf: torch.Tensor, dtype: torch.dtype, width: int, total: int, rows: int

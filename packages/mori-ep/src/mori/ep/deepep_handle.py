@@ -19,10 +19,12 @@ and then needs, on this rank:
 
 On a GPU each side is one Triton launch (:mod:`mori.ep.deepep_handle_kernels`, relaunched
 without Triton's per-call dispatch, :class:`mori.core.relaunch.Relaunch`) that reads the table
-where the all-gather left it, on the device, and the all-gather's puts are a third
-(:func:`put_counts`); on the CPU runtime the same results come from torch operations on the host
-copy. About sixty small torch launches were there before: on an H200 host they cost 2 ms per
-dispatch, eight times the operator's own dispatch.
+where the all-gather left it, on the device; the send side's launch does the all-gather itself
+first (:class:`Put`: its puts into every rank's table, then a wait for the peers' rows, in place
+of a barrier launch). The receive side also copies what combine needs of the operator's tables.
+On the CPU runtime the same results come from torch operations on the host copy. About sixty
+small torch launches were there before: on an H200 host they cost 2 ms per dispatch, eight times
+the operator's own dispatch.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from mori.core.relaunch import Relaunch
 from mori.ep.layout import IMPLS, pow2_at_least
 
-__all__ = ["IMPLS", "RecvSide", "SendSide", "put_counts", "recv_side", "send_side", "uses_kernels"]
+__all__ = ["IMPLS", "Put", "RecvSide", "SendSide", "recv_side", "send_side", "uses_kernels"]
 
 _BLOCK = 1024  #: tokens (send side) or rows (receive side) per step of one program
 
@@ -48,40 +50,22 @@ def uses_kernels(impl: str, device: torch.device) -> bool:
 
 # the kernels of mori.ep.deepep_handle_kernels, imported on the first launch (so the CPU runtime
 # never imports Triton here and tests may set TRITON_INTERPRET first)
-_PUT_COUNTS = Relaunch("mori.ep.deepep_handle_kernels:put_counts_kernel")
 _SEND_SIDE = Relaunch("mori.ep.deepep_handle_kernels:send_side_kernel")
 _RECV_SIDE = Relaunch("mori.ep.deepep_handle_kernels:recv_side_kernel")
 
 
-def put_counts(
-    addrs: torch.Tensor,
-    offset: int,
-    n: int,
-    per_rank: torch.Tensor,
-    per_expert: torch.Tensor,
-    words: list[int],
-) -> None:
-    """The all-gather's puts, in one launch: this rank's row ``[n, per_rank, per_expert, *words]``
-    (int64) at ``offset`` (elements) of every rank's table; ``addrs`` int64 [W] the tables'
-    addresses in this process. ``per_rank`` int32 [W] and ``per_expert`` int32 [E] on the device;
-    ``words``: six ints."""
-    w, e = int(addrs.shape[0]), int(per_expert.shape[0])
-    if len(words) != 6:
-        raise ValueError(f"deepep_handle.put_counts: words has {len(words)} entries, not 6")
-    _PUT_COUNTS(
-        (w,),
-        addrs,
-        offset,
-        per_rank,
-        per_expert,
-        e,
-        n,
-        *words,
-        W=w,
-        W_P2=pow2_at_least(w),
-        E_P2=pow2_at_least(e),
-        num_warps=4,
-    )
+@dataclass
+class Put:
+    """The all-gather that :func:`send_side` also does (kernels only): this rank's row ``[n,
+    per_rank, per_expert, *words, epoch]`` (int64) into every rank's table, then the wait for
+    every other rank's row of this rank's table."""
+
+    addrs: torch.Tensor  #: int64 [W]: every rank's table (this call's half), as mapped here
+    offset: int  #: elements from a table's start to this rank's row
+    epoch: int  #: this call's number (> 0, growing): the last word of a complete row
+    per_rank: torch.Tensor  #: int32 [W] on the device
+    per_expert: torch.Tensor  #: int32 [E] on the device
+    words: list[int]  #: six ints
 
 
 @dataclass
@@ -99,30 +83,53 @@ class RecvSide:
     recv_src_idx: torch.Tensor  #: int32 [total]
     recv_idx: torch.Tensor | None  #: [rows, K] of the caller's id dtype
     recv_w: torch.Tensor | None  #: float32 [rows, K]
+    recv_src_pos: torch.Tensor  #: int32 [total]: a copy of the operator's
+    recv_slot: torch.Tensor | None  #: int32 [W, M]: a copy of the operator's slot table, or None
 
 
 def send_side(
     in_rank: torch.Tensor,
     table: torch.Tensor,
-    host: torch.Tensor,
+    host: torch.Tensor | None,
     rank: int,
     m: int,
     channels: int,
     impl: str = "auto",
+    put: Put | None = None,
+    per_rank: torch.Tensor | None = None,
 ) -> SendSide:
-    """See the module docstring. ``in_rank`` bool [N, W] on the device; ``table`` the all-gathered
-    int64 [W, width] on the device, ``host`` its CPU copy; ``m`` >= N the operator's tokens per
-    rank; ``channels`` >= 1."""
+    """See the module docstring. ``in_rank`` bool [N, W] on the device; ``table`` this rank's
+    int64 [W, width] table on the device (the last column: each row's epoch), ``host`` its CPU copy
+    (the torch path only); ``m`` >= N the operator's tokens per rank; ``channels`` >= 1. On the
+    kernels ``put`` makes the same launch do the all-gather first (``host`` is not made yet
+    then), else ``per_rank`` (int32 [W], this rank's own counts) is needed."""
     n, w = in_rank.shape
     dev = in_rank.device
     if uses_kernels(impl, dev):
+        # one allocation, split in one call (each torch call costs microseconds of host time)
         out = torch.empty(w * m + 1 + n * w + w * channels, dtype=torch.int32, device=dev)
-        dest = out[: w * m].view(w, m)
-        total = out[w * m : w * m + 1]
-        send_head = out[w * m + 1 : w * m + 1 + n * w].view(n, w)
-        chan = out[w * m + 1 + n * w :].view(w, channels)
+        dest, total, send_head, chan = out.split_with_sizes([w * m, 1, n * w, w * channels])
+        dest, send_head, chan = dest.view(w, m), send_head.view(n, w), chan.view(w, channels)
+        if put is not None:
+            if len(put.words) != 6:
+                raise ValueError(f"deepep_handle.send_side: put.words has {len(put.words)} entries, not 6")
+            addrs, offset, epoch, own, per_expert, words = (
+                put.addrs, put.offset, put.epoch, put.per_rank, put.per_expert, put.words
+            )  # fmt: skip
+        elif per_rank is None:
+            raise ValueError("deepep_handle.send_side: the kernels need put or per_rank")
+        else:  # (every pointer must still point into an allocation)
+            addrs, offset, epoch, own, per_expert, words = table, 0, 0, per_rank, per_rank, [0] * 6
+        e = int(per_expert.shape[0]) if put is not None else 0
         _SEND_SIDE(
             (w,),
+            addrs,
+            offset,
+            epoch,
+            own,
+            per_expert,
+            e,
+            *words,
             in_rank.view(torch.uint8),
             n,
             table,
@@ -137,11 +144,15 @@ def send_side(
             channels,
             W=w,
             W_P2=pow2_at_least(w),
+            E_P2=pow2_at_least(max(e, 1)),
             C_P2=pow2_at_least(channels + 1),
             BLOCK=_BLOCK,
+            PUT=put is not None,
             num_warps=4,
         )
         return SendSide(dest, total, send_head, chan)
+    if host is None:
+        raise ValueError("deepep_handle.send_side: the torch path needs the table's host copy")
     sent = host[:, 1 : 1 + w]  # [source, destination]
     offs = (sent[:rank].sum(0)).to(device=dev, dtype=torch.int32)
     cols = in_rank.t().to(torch.int32)
@@ -167,12 +178,16 @@ def recv_side(
     rows: int,
     topk: tuple[torch.Tensor, torch.Tensor, int, torch.dtype] | None,
     impl: str = "auto",
+    recv_slot: torch.Tensor | None = None,
 ) -> RecvSide:
     """See the module docstring. ``recv_src_pos`` int32 [total]: the operator's flat source
     position of each received row (``% max_send`` is the source token); ``rows`` >= total the
     output rows (padding rows past total); ``topk``: ``(recv_idx int32 [>= total, K] global
     expert ids, recv_w float32 [>= total, K], experts per rank, the id dtype to return)``, both
-    operator buffers, or None (no top-k)."""
+    operator buffers, or None (no top-k); ``recv_slot``: the operator's int32 [W, M] slot table
+    to copy too, or None. The copies of ``recv_src_pos`` and ``recv_slot`` (what combine needs of
+    this dispatch once the operator's next dispatch overwrites its tables) come from the same
+    launch on a GPU."""
     w = table.shape[0]
     total = int(recv_src_pos.shape[0])
     dev = recv_src_pos.device
@@ -180,15 +195,22 @@ def recv_side(
     if uses_kernels(impl, dev):
         # (one element more, and at least one row: an empty output still points into an allocation,
         # which Triton's launcher checks of every pointer it is given)
-        out = torch.empty(w * w + w * channels + total + 1, dtype=torch.int32, device=dev)
-        prefix = out[: w * w].view(w, w)
-        rchan = out[w * w : w * w + w * channels].view(w, channels)
-        src_idx = out[w * w + w * channels : w * w + w * channels + total]
+        slots = 0 if recv_slot is None else recv_slot.numel()
+        out = torch.empty(w * w + w * channels + 2 * total + slots + 1, dtype=torch.int32, device=dev)
+        # (the copies first, so they start 16-byte aligned like the operator's own tables: the
+        # combine kernels read them, and Triton specialises a pointer on its alignment)
+        slot_part, pos_copy, prefix, rchan, src_idx, _ = out.split_with_sizes(
+            [slots, total, w * w, w * channels, total, 1]
+        )
+        prefix, rchan = prefix.view(w, w), rchan.view(w, channels)
+        slot_copy = None if recv_slot is None else slot_part.view(recv_slot.shape)
         recv_idx = recv_w = None
         if topk is not None:
             gidx, gw, e_local, idx_dtype = topk
-            recv_idx = torch.empty(max(rows, 1), k, dtype=idx_dtype, device=dev)[:rows]
-            recv_w = torch.empty(max(rows, 1), k, dtype=torch.float32, device=dev)[:rows]
+            recv_idx = torch.empty(max(rows, 1), k, dtype=idx_dtype, device=dev)
+            recv_w = torch.empty(max(rows, 1), k, dtype=torch.float32, device=dev)
+            if rows == 0:
+                recv_idx, recv_w = recv_idx[:0], recv_w[:0]
         _RECV_SIDE(
             (w + 1,),
             table,
@@ -202,6 +224,10 @@ def recv_side(
             prefix,
             rchan,
             src_idx,
+            pos_copy,
+            src_idx if recv_slot is None else recv_slot,
+            src_idx if slot_copy is None else slot_copy,
+            0 if recv_slot is None else recv_slot.shape[1],
             *(
                 (gidx, gidx.stride(0), gw, gw.stride(0), recv_idx, recv_w, e_local)
                 if topk
@@ -213,10 +239,11 @@ def recv_side(
             K=max(k, 1),
             K_P2=pow2_at_least(max(k, 1)),
             HAS_TOPK=topk is not None,
+            HAS_SLOT=recv_slot is not None,
             BLOCK=_BLOCK // 4,
             num_warps=4,
         )
-        return RecvSide(prefix, rchan, src_idx, recv_idx, recv_w)
+        return RecvSide(prefix, rchan, src_idx, recv_idx, recv_w, pos_copy, slot_copy)
     sent = host[:, 1 : 1 + w]
     prefix = torch.cumsum(sent, dim=0).to(device=dev, dtype=torch.int32)
     src_idx = (recv_src_pos.to(torch.int64) % max_send).to(torch.int32)
@@ -240,4 +267,12 @@ def recv_side(
         recv_idx[:total] = torch.where(mine, local, -1).to(idx_dtype)
         recv_w = torch.zeros(rows, k, dtype=torch.float32, device=dev)
         recv_w[:total] = torch.where(mine, gw[:total], 0.0)
-    return RecvSide(prefix, rchan, src_idx, recv_idx, recv_w)
+    return RecvSide(
+        prefix,
+        rchan,
+        src_idx,
+        recv_idx,
+        recv_w,
+        recv_src_pos.clone(),
+        None if recv_slot is None else recv_slot.clone(),
+    )

@@ -12,13 +12,25 @@ import triton.language as tl
 from mori.core.kernels import aot_variants
 from mori.ep.layout import pow2_at_least as _p2
 
-__all__ = ["put_counts_kernel", "recv_side_kernel", "send_side_kernel"]
+__all__ = ["recv_side_kernel", "send_side_kernel"]
 
 
 def _send_variants() -> list[dict[str, object]]:
     return [
         {
             "signature": {
+                "addrs_ptr": "*i64",
+                "offset": "i32",
+                "epoch": "i64",
+                "per_rank_ptr": "*i32",
+                "per_expert_ptr": "*i32",
+                "n_experts": "i32",
+                "w0": "i32",
+                "w1": "i32",
+                "w2": "i32",
+                "w3": "i32",
+                "w4": "i32",
+                "w5": "i32",
                 "in_rank_ptr": "*u8",
                 "n_tok": "i32",
                 "table_ptr": "*i64",
@@ -32,21 +44,40 @@ def _send_variants() -> list[dict[str, object]]:
                 "chan_ptr": "*i32",
                 "n_chan": "i32",
             },
-            "constexprs": {"W": w, "W_P2": _p2(w), "C_P2": _p2(c + 1), "BLOCK": 1024},
-            "aligned": ("table_ptr", "dest_ptr"),
+            "constexprs": {
+                "W": w,
+                "W_P2": _p2(w),
+                "E_P2": _p2(e),
+                "C_P2": _p2(c + 1),
+                "BLOCK": 1024,
+                "PUT": put,
+            },
+            "aligned": ("addrs_ptr", "per_rank_ptr", "per_expert_ptr", "table_ptr", "dest_ptr"),
             "num_warps": 4,
-            "label": f"W={w} C={c}",
+            "label": f"W={w} E={e} C={c}" + ("" if put else " no put"),
         }
-        for w, c in ((2, 33), (8, 10), (8, 12))
+        for w, e, c, put in ((2, 256, 33, True), (8, 256, 10, True), (8, 288, 12, True), (8, 256, 10, False))
     ]
 
 
 @aot_variants(_send_variants())
 @triton.jit
 def send_side_kernel(
+    addrs_ptr,  # int64 [W]: the address of every rank's table (this call's half), in this process
+    offset,  # elements from a table's start to this rank's row
+    epoch,  # this call's number (> 0), stored last in the row: the row is complete
+    per_rank_ptr,  # int32 [W]: tokens this rank sends to each rank
+    per_expert_ptr,  # int32 [n_experts]
+    n_experts,
+    w0,  # six words every rank's call must have alike (compared on the host)
+    w1,
+    w2,
+    w3,
+    w4,
+    w5,
     in_rank_ptr,  # uint8 [n_tok, W]: token t goes to rank p
     n_tok,
-    table_ptr,  # int64 [W, table_stride]: row s = rank s's [n, sent to rank 0..W-1, ...]
+    table_ptr,  # int64 [W, table_stride]: this rank's table: row s = rank s's [n, sent to 0..W-1, ...]
     table_stride,
     rank,
     m,  # the operator's tokens per rank, >= n_tok
@@ -58,21 +89,59 @@ def send_side_kernel(
     n_chan,
     W: tl.constexpr,
     W_P2: tl.constexpr,
+    E_P2: tl.constexpr,
     C_P2: tl.constexpr,  # > n_chan: the last bin collects the tokens not sent
     BLOCK: tl.constexpr,
+    PUT: tl.constexpr,  # the all-gather too (else the table is complete already)
 ):
-    """Program ``p`` scans column ``p`` of ``in_rank`` in steps of ``BLOCK`` tokens, carrying the
+    """With ``PUT``, program ``p`` first writes this rank's row ``[n_tok, per_rank, per_expert,
+    w0..w5, epoch]`` (int64) into rank ``p``'s table, the epoch last with a release, then waits
+    (acquire, no timeout, as the shmem barrier) until every other rank's row of this rank's table
+    carries ``epoch``: the all-gather, without a barrier launch. A table is written again two
+    calls later, after every rank's row of the call between has arrived, so after this rank read it.
+
+    Then program ``p`` scans column ``p`` of ``in_rank`` in steps of ``BLOCK`` tokens, carrying the
     running count: a sent token's index among those for ``p`` is the inclusive count minus one;
     its row on ``p`` adds the tokens that lower ranks send ``p`` (the table's column ``1 + p`` over
     rows ``< rank``). A histogram of the sent tokens' channels, summed at the end, is the channel
-    prefix. Program 0 also stores the rows this rank receives (column ``1 + rank``, summed)."""
+    prefix. Program 0 also stores the rows this rank receives (column ``1 + rank``, summed). This
+    rank's own numbers come from its inputs, not its row, which program ``rank`` writes."""
     p = tl.program_id(0)
     srcs = tl.arange(0, W_P2)
-    to_p = tl.load(table_ptr + srcs * table_stride + 1 + p, mask=srcs < W, other=0)
-    base = tl.sum(tl.where(srcs < rank, to_p, 0), axis=0)
+    if PUT:
+        row = tl.load(addrs_ptr + p).to(tl.pointer_type(tl.int64)) + offset
+        one = tl.arange(0, 1)
+        # (an int argument equal to 1 arrives as a constant: adding it to a tensor works for both)
+        tl.store(row + one, tl.zeros([1], tl.int64) + n_tok)
+        tl.store(row + 1 + srcs, tl.load(per_rank_ptr + srcs, mask=srcs < W).to(tl.int64), mask=srcs < W)
+        es = tl.arange(0, E_P2)
+        ok = es < n_experts
+        tl.store(row + 1 + W + es, tl.load(per_expert_ptr + es, mask=ok).to(tl.int64), mask=ok)
+        ws = tl.arange(0, 8)
+        words = tl.zeros([8], tl.int64) + tl.where(
+            ws == 0,
+            w0,
+            tl.where(ws == 1, w1, tl.where(ws == 2, w2, tl.where(ws == 3, w3, tl.where(ws == 4, w4, w5)))),
+        )
+        tl.store(row + 1 + W + n_experts + ws, words, mask=ws < 6)
+        tl.debug_barrier()  # every thread's stores before the flag
+        tl.atomic_xchg(row + 7 + W + n_experts, epoch, sem="release", scope="sys")
+        s = 0
+        while s < W:
+            if s != rank:
+                flag = table_ptr + s * table_stride + 7 + W + n_experts
+                seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+                while seen < epoch:
+                    seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+            s += 1
+        tl.debug_barrier()  # no thread reads the table before the waits
+    peer = (srcs < W) & (srcs != rank)
+    to_p = tl.load(table_ptr + srcs * table_stride + 1 + p, mask=peer & (srcs < rank), other=0, volatile=True)
+    base = tl.sum(to_p, axis=0)
     if p == 0:
-        to_me = tl.load(table_ptr + srcs * table_stride + 1 + rank, mask=srcs < W, other=0)
-        tl.store(total_ptr, tl.sum(to_me, axis=0).to(tl.int32))
+        to_me = tl.load(table_ptr + srcs * table_stride + 1 + rank, mask=peer, other=0, volatile=True)
+        own = tl.load(per_rank_ptr + rank).to(tl.int64)
+        tl.store(total_ptr, (tl.sum(to_me, axis=0) + own).to(tl.int32))
     carry = tl.full([], 0, tl.int32)
     hist = tl.zeros([C_P2], tl.int32)
     start = 0
@@ -106,6 +175,10 @@ def _recv_variants() -> list[dict[str, object]]:
                     "prefix_ptr": "*i32",
                     "rchan_ptr": "*i32",
                     "src_idx_ptr": "*i32",
+                    "pos_copy_ptr": "*i32",
+                    "slot_ptr": "*i32",
+                    "slot_copy_ptr": "*i32",
+                    "m": "i32",
                     "gidx_ptr": "*i32",
                     "gidx_stride": "i32",
                     "gw_ptr": "*fp32",
@@ -121,9 +194,19 @@ def _recv_variants() -> list[dict[str, object]]:
                     "K": k,
                     "K_P2": _p2(k),
                     "HAS_TOPK": True,
+                    "HAS_SLOT": True,
                     "BLOCK": 256,
                 },
-                "aligned": ("table_ptr", "prefix_ptr", "gidx_ptr", "gw_ptr", "out_idx_ptr", "out_w_ptr"),
+                "aligned": (
+                    "table_ptr",
+                    "prefix_ptr",
+                    "slot_ptr",
+                    "slot_copy_ptr",
+                    "gidx_ptr",
+                    "gw_ptr",
+                    "out_idx_ptr",
+                    "out_w_ptr",
+                ),
                 "num_warps": 4,
                 "label": f"W={w} C={c} K={k} {idx_t[1:]}",
             }
@@ -145,6 +228,10 @@ def recv_side_kernel(
     prefix_ptr,  # out int32 [W, W]
     rchan_ptr,  # out int32 [W, n_chan]
     src_idx_ptr,  # out int32 [total]
+    pos_copy_ptr,  # out int32 [total]: a copy of pos (the operator overwrites its own next call)
+    slot_ptr,  # int32 [W, m]: the operator's receive slot table (read when HAS_SLOT)
+    slot_copy_ptr,  # out int32 [W, m]: its copy
+    m,
     gidx_ptr,  # int32 [>= total, gidx_stride]: received global expert ids (K used)
     gidx_stride,
     gw_ptr,  # float32 [>= total, gw_stride]: their weights
@@ -158,13 +245,15 @@ def recv_side_kernel(
     K: tl.constexpr,
     K_P2: tl.constexpr,
     HAS_TOPK: tl.constexpr,
+    HAS_SLOT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Program ``s < W`` takes the rows that came from rank ``s`` (they start after the rows of
     lower ranks, in ``s``'s token order): its row of the rank prefix matrix, each row's source
-    token, a histogram of the rows' channels on ``s`` (whose exclusive sum, plus the segment's
-    start, is the first row of each channel) and, with top-k, the rows' local expert ids and
-    weights. Program ``W`` fills the padding rows ``[total, rows)``."""
+    token (and a copy of its position), a histogram of the rows' channels on ``s`` (whose
+    exclusive sum, plus the segment's start, is the first row of each channel), with top-k the
+    rows' local expert ids and weights, and with ``HAS_SLOT`` a copy of row ``s`` of the slot
+    table. Program ``W`` fills the padding rows ``[total, rows)``."""
     s = tl.program_id(0)
     srcs = tl.arange(0, W_P2)
     ks = tl.arange(0, K_P2)
@@ -186,7 +275,9 @@ def recv_side_kernel(
             i = start + tl.arange(0, BLOCK)
             ok = i < cnt
             r = seg + i
-            idx = tl.load(pos_ptr + r, mask=ok, other=0) % max_send
+            pos = tl.load(pos_ptr + r, mask=ok, other=0)
+            tl.store(pos_copy_ptr + r, pos, mask=ok)
+            idx = pos % max_send
             tl.store(src_idx_ptr + r, idx, mask=ok)
             hist += tl.histogram(tl.where(ok, (idx // per).to(tl.int32), C_P2 - 1), C_P2)
             if HAS_TOPK:
@@ -201,6 +292,13 @@ def recv_side_kernel(
         c = tl.arange(0, C_P2)
         first = seg + tl.cumsum(hist, axis=0) - hist
         tl.store(rchan_ptr + s * n_chan + c, first.to(tl.int32), mask=c < n_chan)
+        if HAS_SLOT:
+            start = 0
+            while start < m:
+                t = start + tl.arange(0, BLOCK)
+                v = tl.load(slot_ptr + s * m + t, mask=t < m)
+                tl.store(slot_copy_ptr + s * m + t, v, mask=t < m)
+                start += BLOCK
     elif HAS_TOPK:
         start = tl.zeros([], tl.int32) + total  # (a tensor even when total arrives as the constant 1)
         while start < rows:
@@ -211,69 +309,3 @@ def recv_side_kernel(
             )
             tl.store(out_w_ptr + r[:, None] * K + ks[None, :], tl.zeros([BLOCK, K_P2], tl.float32), mask=km)
             start += BLOCK
-
-
-def _put_variants() -> list[dict[str, object]]:
-    return [
-        {
-            "signature": {
-                "addrs_ptr": "*i64",
-                "offset": "i32",
-                "per_rank_ptr": "*i32",
-                "per_expert_ptr": "*i32",
-                "n_experts": "i32",
-                "n": "i32",
-                "w0": "i32",
-                "w1": "i32",
-                "w2": "i32",
-                "w3": "i32",
-                "w4": "i32",
-                "w5": "i32",
-            },
-            "constexprs": {"W": w, "W_P2": _p2(w), "E_P2": _p2(e)},
-            "aligned": ("addrs_ptr", "per_rank_ptr", "per_expert_ptr"),
-            "num_warps": 4,
-            "label": f"W={w} E={e}",
-        }
-        for w, e in ((2, 256), (8, 256), (8, 288))
-    ]
-
-
-@aot_variants(_put_variants())
-@triton.jit
-def put_counts_kernel(
-    addrs_ptr,  # int64 [W]: the address of every rank's int64 table, as mapped in this process
-    offset,  # elements from a table's start to this rank's row
-    per_rank_ptr,  # int32 [W]
-    per_expert_ptr,  # int32 [n_experts]
-    n_experts,
-    n,
-    w0,
-    w1,
-    w2,
-    w3,
-    w4,
-    w5,
-    W: tl.constexpr,
-    W_P2: tl.constexpr,
-    E_P2: tl.constexpr,
-):
-    """Program ``p`` writes this rank's row ``[n, per_rank, per_expert, w0..w5]`` (int64) into
-    rank ``p``'s table: the all-gather's puts, before its barrier."""
-    p = tl.program_id(0)
-    row = tl.load(addrs_ptr + p).to(tl.pointer_type(tl.int64)) + offset
-    one = tl.arange(0, 1)
-    # (an int argument equal to 1 arrives as a constant: adding it to a tensor works for both)
-    tl.store(row + one, tl.zeros([1], tl.int64) + n)
-    lanes = tl.arange(0, W_P2)
-    tl.store(row + 1 + lanes, tl.load(per_rank_ptr + lanes, mask=lanes < W).to(tl.int64), mask=lanes < W)
-    es = tl.arange(0, E_P2)
-    ok = es < n_experts
-    tl.store(row + 1 + W + es, tl.load(per_expert_ptr + es, mask=ok).to(tl.int64), mask=ok)
-    ws = tl.arange(0, 8)
-    words = tl.zeros([8], tl.int64) + tl.where(
-        ws == 0,
-        w0,
-        tl.where(ws == 1, w1, tl.where(ws == 2, w2, tl.where(ws == 3, w3, tl.where(ws == 4, w4, w5)))),
-    )
-    tl.store(row + 1 + W + n_experts + ws, words, mask=ws < 6)
