@@ -21,8 +21,11 @@ Discovery, built so that a kernel cannot be skipped silently:
 
 Every variant of every kernel is compiled for each target (a fresh Triton cache unless
 ``--cache``) by :func:`mori.jit.compile_variant`, the compile a launch with the variant's argument
-types makes (what ``mori jit precompile`` runs too), a table kernel x target is printed, and the
-exit status is 1 if anything failed.
+types makes (what ``mori jit precompile`` runs too), on ``-j`` worker processes at once (default:
+the CPUs this process may run on; each worker compiles for one target only, see
+:func:`compile_all`; ``-j 1`` compiles one after another). A table kernel x target is printed, a
+row as soon as it and the rows above it are compiled (so always in the same order), and the exit
+status is 1 if anything failed.
 
     python tools/compile_kernels.py                        # all four targets
     python tools/compile_kernels.py --targets cuda:90,hip:gfx942 -j 4 --out build/kernels
@@ -32,17 +35,21 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib
 import importlib.util
 import os
 import re
+import signal
 import sys
 import tempfile
 import textwrap
 import time
 import traceback
-from collections.abc import Iterator
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +104,10 @@ class Task:
     name: str
     variant: int
     target: str
+
+
+#: what a compile gave: (ok, message, seconds)
+Result = tuple[bool, str, float]
 
 
 # -- discovery ----------------------------------------------------------------------------------------
@@ -381,10 +392,135 @@ def compile_one(task: Task, out_dir: str | None) -> tuple[Task, bool, str, float
         return task, False, last[:2000], time.perf_counter() - t0
 
 
-def compile_batch(work: tuple[list[Task], str | None]) -> list[tuple[Task, bool, str, float]]:
-    """Compile a batch of one target's tasks in order, in this (fresh) worker process."""
-    tasks, out_dir = work
-    return [compile_one(task, out_dir) for task in tasks]
+def default_jobs() -> int:
+    """How many CPUs this process may run on (its affinity mask, which taskset or a container's
+    cpuset narrows), else the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS)
+        return os.cpu_count() or 1
+
+
+def _worker(conn: Connection, tasks: list[Task], out_dir: str | None, parent: int) -> None:
+    """A worker process: compile ``tasks[i]`` for each index the parent sends, until it sends None."""
+    try:
+        while True:
+            while not conn.poll(1.0):
+                if os.getppid() != parent:  # the parent was killed: nobody is waiting for results
+                    return
+            i = conn.recv()
+            if i is None:
+                return
+            _, ok, msg, secs = compile_one(tasks[i], out_dir)
+            conn.send((i, ok, msg, secs))
+    except (EOFError, OSError, KeyboardInterrupt):  # the parent is gone, or interrupted
+        pass
+
+
+def _died(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            how = signal.Signals(-exitcode).name
+        except ValueError:
+            how = f"signal {-exitcode}"
+        return f"the compiling process was killed by {how}"
+    return f"the compiling process exited with status {exitcode} while compiling"
+
+
+@dataclass
+class _Worker:
+    process: Any  # a multiprocessing Process
+    conn: Connection
+    target: str
+    current: int | None = None  # the index of the task it was sent last
+
+
+def compile_all(
+    tasks: list[Task],
+    targets: list[str],
+    jobs: int,
+    out_dir: str | None,
+    done: Callable[[Task, Result], None],
+) -> None:
+    """Compile every task on at most ``jobs`` worker processes at once; ``done`` gets each result.
+
+    A process compiles for one target only: one that compiled for gfx950 and then for gfx942
+    emitted gfx950-only fp8 conversions (v_cvt_scalef32_pk_fp8_f32) into the gfx942 code, which
+    then failed to link (Triton 3.6). So each worker is started for one target and is handed that
+    target's tasks one at a time, in order, by this process; when its target has none left it
+    exits, and its slot goes to a new worker for the target with the most tasks left per worker.
+    All targets overlap, a slow variant (a W=8 combine takes minutes) holds up one worker only,
+    and ``jobs=1`` compiles everything one after another (one process per target in turn).
+
+    A worker that dies (a crash inside LLVM, the OOM killer) fails the task it was compiling, and
+    a new one takes its place: nothing waits for it forever.
+    """
+    import multiprocessing as mp
+    from multiprocessing.connection import wait
+
+    # fork: the workers inherit the imported modules (nothing has been compiled yet, so no
+    # compiler threads exist to be lost); spawn where fork is not available (they import them)
+    ctx: Any = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    todo = {t: deque(i for i, task in enumerate(tasks) if task.target == t) for t in targets}
+    workers: dict[Connection, _Worker] = {}
+
+    def give(w: _Worker) -> bool:
+        """Send ``w`` its target's next task, or None (stop) if none is left; False for None.
+        A task sent to a worker that just died is failed with it (the EOF that follows says so)."""
+        queue = todo[w.target]
+        w.current = queue.popleft() if queue else None
+        with contextlib.suppress(OSError):
+            w.conn.send(w.current)
+        return w.current is not None
+
+    def retire(w: _Worker) -> None:
+        del workers[w.conn]
+        w.conn.close()
+        w.process.join()
+
+    def fill() -> None:
+        while len(workers) < jobs:
+            left = [t for t in targets if todo[t]]
+            if not left:
+                return
+            busy = Counter(w.target for w in workers.values())
+            target = max(left, key=lambda t: len(todo[t]) / (1 + busy[t]))  # the first on a tie
+            mine, theirs = ctx.Pipe()
+            process = ctx.Process(
+                target=_worker,
+                args=(theirs, tasks, out_dir, os.getpid()),
+                name=f"compile-{target}",
+                daemon=True,
+            )
+            sys.stdout.flush()  # a forked child flushes what it inherited when it exits
+            sys.stderr.flush()
+            process.start()
+            theirs.close()
+            w = workers[mine] = _Worker(process, mine, target)
+            give(w)
+
+    try:
+        fill()
+        while workers:
+            for conn in wait(list(workers)):
+                w = workers[conn]  # type: ignore[index]
+                try:
+                    i, ok, msg, secs = w.conn.recv()
+                except (EOFError, OSError):  # it died: every worker here has a task in flight
+                    retire(w)
+                    if w.current is not None:
+                        done(tasks[w.current], (False, _died(w.process.exitcode), 0.0))
+                    fill()
+                    continue
+                done(tasks[i], (ok, msg, secs))
+                if not give(w):
+                    retire(w)
+                    fill()
+    finally:
+        for w in workers.values():  # only when interrupted
+            w.process.terminate()
+        for w in workers.values():
+            w.process.join()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,7 +530,13 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(TARGETS),
         help=f"comma-separated targets among {', '.join(TARGETS)} (default: all)",
     )
-    parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
+    parser.add_argument(
+        "-j",
+        "--jobs",
+        type=int,
+        default=default_jobs(),
+        help="compiles at once, each in a worker process (default: the CPUs this process may use, %(default)s)",
+    )
     parser.add_argument(
         "--out", help="also write each cubin / hsaco to OUT/<target>/<kernel>.<variant>.<ext>"
     )
@@ -411,6 +553,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--jobs must be >= 1")
 
     t0 = time.perf_counter()
+    # One cache directory for the whole run, shared by the workers: Triton writes every entry
+    # to a temporary file and renames it into place, so concurrent processes are safe, and two
+    # processes never compile the same key (each task is compiled once).
     with tempfile.TemporaryDirectory(prefix="mori-triton-cache-") as tmp:
         if not args.cache:
             os.environ["TRITON_CACHE_DIR"] = tmp  # before triton is imported: it reads it then
@@ -420,39 +565,18 @@ def main(argv: list[str] | None = None) -> int:
             print("compile_kernels: triton is not installed; nothing was compiled", file=sys.stderr)
             return 1
         found, errors = discover(ROOT)
-        tasks = [
-            Task(f.module, str(f.path), f.name, i, t)
-            for f in found
-            if f.kind == "kernel"
-            for i in range(len(f.variants))
-            for t in targets
-        ]
-        results: dict[Task, tuple[bool, str, float]] = {}
-        import multiprocessing as mp
+        table = Table(found, errors, targets)
+        tasks = [task for row in table.rows for task in row.tasks]  # in the table's order
+        table.header(triton.__version__)
+        results: dict[Task, Result] = {}
 
-        # fork: the workers inherit the imported modules (nothing has been compiled yet, so no
-        # compiler threads exist to be lost); spawn where fork is not available.
-        # A process compiles for one target only: one that compiled for gfx950 and then for gfx942
-        # emitted gfx950-only fp8 conversions (v_cvt_scalef32_pk_fp8_f32) into the gfx942 code,
-        # which then failed to link (Triton 3.6). So the work is cut into batches of one target
-        # (jobs // targets batches per target, dealt round-robin), each batch compiled in order by
-        # a fresh process, and every batch of every target runs at once on `jobs` processes: the
-        # targets overlap, and one slow variant (a W=8 combine takes minutes) holds up one batch
-        # instead of the end of a target's pool.
-        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-        per_target = max(1, args.jobs // len(targets))
-        batches = [
-            [t for t in tasks if t.target == target][i::per_target]
-            for i in range(per_target)
-            for target in targets
-        ]
-        batches = [b for b in batches if b]
-        with mp.get_context(method).Pool(processes=args.jobs, maxtasksperchild=1) as pool:
-            for done in pool.imap_unordered(compile_batch, [(b, args.out) for b in batches]):
-                for task, ok, msg, secs in done:
-                    results[task] = (ok, msg, secs)
+        def done(task: Task, result: Result) -> None:
+            results[task] = result
+            table.advance(results)
 
-    failed = report(found, errors, results, targets, triton.__version__, time.perf_counter() - t0)
+        compile_all(tasks, targets, min(args.jobs, max(1, len(tasks))), args.out, done)
+
+    failed = table.finish(results, time.perf_counter() - t0)
     return 1 if failed else 0
 
 
@@ -462,55 +586,92 @@ def _label(f: Found) -> str:
     return f"{f.module}.{f.name}"
 
 
-def report(
-    found: list[Found],
-    errors: list[str],
-    results: dict[Task, tuple[bool, str, float]],
-    targets: list[str],
-    version: str,
-    seconds: float,
-) -> bool:
-    """Print the table and the errors; True if anything failed."""
-    rows: list[tuple[str, list[str]]] = []
-    details: list[str] = []
-    devices: list[str] = []
-    for f in sorted(found, key=lambda f: (f.module, f.line)):
-        label = _label(f)
-        if f.kind == "kernel":
-            for i, spec in enumerate(f.variants):
-                cells = []
-                for t in targets:
-                    ok, msg, secs = results[Task(f.module, str(f.path), f.name, i, t)]
-                    cells.append(f"ok {secs:4.1f}s" if ok else "ERROR")
-                    if not ok:
-                        details.append(f"{label} [{spec.describe()}] on {t}: {msg}")
-                rows.append((f"{label} [{spec.describe()}]", cells))
-        elif f.kind == "device":
-            devices.append(f"{label} ({f.callers})")
-        else:
-            rows.append((label, ["ERROR"] * len(targets)))
-            where = f.path.relative_to(ROOT) if f.path.is_relative_to(ROOT) else f.path
-            details.append(f"{label} ({where}:{f.line}): {f.error}")
-    details += errors
+@dataclass
+class Row:
+    label: str
+    found: Found
+    spec: Any = None  # the AotSpec of a kernel's row; None: a row of a function in error
+    tasks: list[Task] = field(default_factory=list)  # one per target
 
-    n_kernels = sum(f.kind == "kernel" for f in found)
-    width = max([len(r[0]) for r in rows] + [len("kernel [variant]")])
-    cw = max(10, *(len(t) for t in targets))
-    print(f"Triton {version}: {n_kernels} kernels, {len(rows)} rows, {len(targets)} targets")
-    print(f"{'kernel [variant]':<{width}}  " + "  ".join(f"{t:<{cw}}" for t in targets))
-    print("-" * (width + (cw + 2) * len(targets)))
-    for label, cells in rows:
-        print(f"{label:<{width}}  " + "  ".join(f"{c:<{cw}}" for c in cells))
-    if devices:
-        print(f"\n{len(devices)} device functions, compiled inside the kernels that call them (how many):")
-        print(textwrap.fill(", ".join(devices), width=110, initial_indent="  ", subsequent_indent="  "))
-    n_ok = sum(ok for ok, _, _ in results.values())
-    print(f"\n{n_ok}/{len(results)} compiles ok in {seconds:.1f} s")
-    if details:
-        print(f"\n{len(details)} error(s):", file=sys.stderr)
-        for d in details:
-            print(f"  {d}", file=sys.stderr)
-    return bool(details)
+
+class Table:
+    """The table kernel [variant] x target, the device functions and the errors.
+
+    A row is printed as soon as it and every row above it are compiled, so the table shows
+    progress and its order is the same whatever order the compiles finish in."""
+
+    def __init__(self, found: list[Found], errors: list[str], targets: list[str]) -> None:
+        self.found, self.errors, self.targets = found, errors, targets
+        self.rows: list[Row] = []
+        self.devices: list[str] = []
+        for f in sorted(found, key=lambda f: (f.module, f.line)):
+            label = _label(f)
+            if f.kind == "kernel":
+                for i, spec in enumerate(f.variants):
+                    tasks = [Task(f.module, str(f.path), f.name, i, t) for t in targets]
+                    self.rows.append(Row(f"{label} [{spec.describe()}]", f, spec, tasks))
+            elif f.kind == "device":
+                self.devices.append(f"{label} ({f.callers})")
+            else:
+                self.rows.append(Row(label, f))
+        self.width = max([len(r.label) for r in self.rows] + [len("kernel [variant]")])
+        self.cw = max(10, *(len(t) for t in targets))
+        self.printed = 0
+
+    def header(self, version: str) -> None:
+        n_kernels = sum(f.kind == "kernel" for f in self.found)
+        targets = self.targets
+        print(f"Triton {version}: {n_kernels} kernels, {len(self.rows)} rows, {len(targets)} targets")
+        print(f"{'kernel [variant]':<{self.width}}  " + "  ".join(f"{t:<{self.cw}}" for t in targets))
+        print("-" * (self.width + (self.cw + 2) * len(targets)), flush=True)
+
+    def advance(self, results: dict[Task, Result], *, missing: Result | None = None) -> None:
+        """Print the rows, from the first not printed yet, whose compiles are all in ``results``
+        (with ``missing``: every row left, a compile not in ``results`` counted as ``missing``)."""
+        start = self.printed
+        while self.printed < len(self.rows):
+            row = self.rows[self.printed]
+            if missing is None and any(t not in results for t in row.tasks):
+                break
+            if row.spec is None:
+                cells = ["ERROR"] * len(self.targets)
+            else:
+                got = [results.get(t, missing) for t in row.tasks]
+                cells = [f"ok {r[2]:4.1f}s" if r and r[0] else "ERROR" for r in got]
+            print(f"{row.label:<{self.width}}  " + "  ".join(f"{c:<{self.cw}}" for c in cells))
+            self.printed += 1
+        if self.printed > start:
+            sys.stdout.flush()
+
+    def finish(self, results: dict[Task, Result], seconds: float) -> bool:
+        """Print the rest of the table and the errors; True if anything failed."""
+        self.advance(results, missing=(False, "not compiled", 0.0))
+        details: list[str] = []
+        for row in self.rows:
+            f = row.found
+            if row.spec is None:
+                where = f.path.relative_to(ROOT) if f.path.is_relative_to(ROOT) else f.path
+                details.append(f"{row.label} ({where}:{f.line}): {f.error}")
+                continue
+            for task in row.tasks:
+                ok, msg, _ = results.get(task, (False, "not compiled", 0.0))
+                if not ok:
+                    details.append(f"{row.label} on {task.target}: {msg}")
+        details += self.errors
+
+        devices = self.devices
+        if devices:
+            print(
+                f"\n{len(devices)} device functions, compiled inside the kernels that call them (how many):"
+            )
+            print(textwrap.fill(", ".join(devices), width=110, initial_indent="  ", subsequent_indent="  "))
+        n_ok = sum(ok for ok, _, _ in results.values())
+        print(f"\n{n_ok}/{len(results)} compiles ok in {seconds:.1f} s")
+        if details:
+            print(f"\n{len(details)} error(s):", file=sys.stderr)
+            for d in details:
+                print(f"  {d}", file=sys.stderr)
+        return bool(details)
 
 
 if __name__ == "__main__":
