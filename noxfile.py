@@ -388,7 +388,8 @@ def _tests(session: nox.Session, arch: str) -> None:
     if not targets and not session.posargs:
         session.error("no tests/ directory found in any distribution")
     try:
-        session.run("pytest", "-m", ARCHES[arch], *targets, *session.posargs)
+        # the slowest tests in the log: what to look at when CI nears its 30-minute budget
+        session.run("pytest", "-m", ARCHES[arch], "--durations=25", *targets, *session.posargs)
     except CommandFailed as e:
         if _exit_code(e) != 5:
             raise
