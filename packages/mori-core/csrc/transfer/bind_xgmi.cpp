@@ -86,12 +86,15 @@ void register_xgmi_queue(py::module_& m) {
            "entries, event) of pinned descriptor tables. Raises RuntimeError naming a failed driver call.")
       .def(
           "set_kernel",
-          [](XgmiQueue& q, int word, uintptr_t function, unsigned threads, unsigned shared) {
-            q.set_kernel(word, GpuKernel{reinterpret_cast<void*>(function), threads, shared});
+          [](XgmiQueue& q, int word, uintptr_t function, unsigned threads, unsigned shared, uint64_t trace) {
+            q.set_kernel(word, GpuKernel{reinterpret_cast<void*>(function), threads, shared, trace});
           },
-          py::arg("word"), py::arg("function"), py::arg("threads"), py::arg("shared"),
+          py::arg("word"), py::arg("function"), py::arg("threads"), py::arg("shared"), py::arg("trace") = 0,
           "The loaded scatter-gather kernel for one word width (its driver function handle, threads per "
-          "program, dynamic shared memory).")
+          "program, dynamic shared memory), replacing the one set before for launches posted from now on. "
+          "trace: 0 for the untraced variant; else the device address of the mori.viz trace buffer that "
+          "this (traced) variant records into, passed as its trace_ptr argument (the caller keeps the "
+          "buffer alive while launches may run).")
       .def("has_kernel", &XgmiQueue::has_kernel, py::arg("word"))
       .def_property("threshold", &XgmiQueue::threshold, &XgmiQueue::set_threshold,
                     "Blocks of a batch from which it goes through the kernel (0: never).")

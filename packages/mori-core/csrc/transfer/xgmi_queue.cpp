@@ -218,12 +218,13 @@ StatusPtr XgmiQueue::post(bool write, uint64_t lbase, uint64_t lsize, uint64_t r
       }
       void* s = stream_next();
       if ((rc = use(s))) break;
-      uint64_t table = t->device, scratch0 = 0, scratch1 = 0;
+      uint64_t table = t->device, trace = kernel.trace, scratch0 = 0, scratch1 = 0;
       int32_t blocks = int32_t(m), programs = int32_t(split);
-      void* params[] = {&table, &blocks, &programs, &scratch0, &scratch1};
+      void* plain[] = {&table, &blocks, &programs, &scratch0, &scratch1};
+      void* traced[] = {&table, &blocks, &programs, &trace, &scratch0, &scratch1};
       op = "launch_kernel";
       rc = cfg_.calls.launch_kernel(kernel.function, unsigned(m), unsigned(split), 1, kernel.threads, 1, 1,
-                                    kernel.shared, s, params, nullptr);
+                                    kernel.shared, s, trace ? traced : plain, nullptr);
       if (rc == 0) {
         op = "event_record";
         rc = cfg_.calls.event_record(t->event, s);

@@ -47,11 +47,15 @@ struct GpuTable {
   bool usable = true;     // false after a failed launch (it may still be read): never reused
 };
 
-// One compiled variant of the scatter-gather kernel (per word width).
+// One compiled variant of the scatter-gather kernel (per word width). `trace`: 0 for the untraced
+// variant (parameters: table, blocks, programs, then Triton's two scratch pointers); else the device
+// address of the mori.viz trace buffer that the traced variant records into, passed after
+// `programs` (its `trace_ptr` argument).
 struct GpuKernel {
   void* function = nullptr;
   unsigned threads = 0;
   unsigned shared = 0;
+  uint64_t trace = 0;
 };
 
 // A region's validity and the transfers using it (see the header comment).
