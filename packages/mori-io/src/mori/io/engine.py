@@ -537,6 +537,46 @@ class IOEngine:
         code: StatusCode = transfer.wait_all(statuses, timeout_ms)
         return code
 
+    # -- tracing (mori.viz) ----------------------------------------------------------------------
+
+    def enable_tracing(self, buffer: Any = None, *, capacity: int = 1024, n_rings: int | None = None) -> Any:
+        """Record the scatter-gather kernel of this engine's XGMI backend (its traced variant) into
+        ``buffer`` (a :class:`mori.viz.TraceBuffer` on the backend's GPU), or a new one; return it.
+
+        Every kernel launch posted from now on records, per program, a ``kernel`` span of
+        ``io.scatter_gather`` with its ``table`` and ``copy`` phases; copy-engine copies record
+        nothing. ``n_rings`` and ``capacity`` size a new buffer (see
+        :meth:`mori.io.xgmi.XgmiBackend.enable_tracing`). Read it with ``mori.viz.capture([buf])``
+        when the GPU is idle. Not collective. Raises :class:`~mori.core.errors.MoriStateError` if
+        the engine has no XGMI backend or its kernel cannot be loaded; the tracing state goes with
+        the backend (:meth:`remove_backend`).
+        """
+        return self._tracing_backend("enable_tracing").enable_tracing(
+            buffer, capacity=capacity, n_rings=n_rings
+        )
+
+    def disable_tracing(self) -> None:
+        """Launch the untraced (uninstrumented) kernel again; the buffer stays readable. Does
+        nothing without an XGMI backend."""
+        backend = self._backends.get(BackendType.XGMI)
+        if backend is not None and hasattr(backend, "disable_tracing"):
+            backend.disable_tracing()
+
+    @property
+    def trace_buffer(self) -> Any:
+        """The :class:`mori.viz.TraceBuffer` the XGMI kernel records into, or None (tracing off)."""
+        return getattr(self._backends.get(BackendType.XGMI), "trace_buffer", None)
+
+    def _tracing_backend(self, func: str) -> Any:
+        self._check_open(func)
+        backend = self._backends.get(BackendType.XGMI)
+        if backend is None or not hasattr(backend, "enable_tracing"):
+            raise MoriStateError(
+                f"{func}: engine {self.key!r} has no XGMI backend ({self._backend_names()}); only the XGMI "
+                "scatter-gather kernel records: create_backend(BackendType.XGMI) first"
+            )
+        return backend
+
     def shutdown(self) -> None:
         """Stop the engine: connections close, threads end, pending transfers fail. Idempotent."""
         if self._closed:

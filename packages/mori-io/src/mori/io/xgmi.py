@@ -44,6 +44,13 @@ first makes new transfers on it fail, then waits for the ones in flight (at most
 
 The backend runs its copies on the GPU its runtime is bound to: torch's current device when the
 first GPU region was registered (call ``torch.cuda.set_device`` first in a multi-GPU process).
+
+Tracing (mori.viz). :meth:`XgmiBackend.enable_tracing` (or :meth:`mori.io.IOEngine.enable_tracing`)
+loads the traced variant of the scatter-gather kernel for every word width and hands it to the
+queue with the trace buffer's address, which the queue passes as the kernel's ``trace_ptr``; every
+kernel launch posted from then on records, per program, the spans of
+:data:`mori.io.xgmi_kernels.SLOTS`. :meth:`XgmiBackend.disable_tracing` hands the untraced
+variants back (the uninstrumented kernel). Copy-engine copies record nothing.
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from mori.core.errors import MoriBackendError, MoriTimeoutError, MoriValueError
+from mori.core.errors import MoriBackendError, MoriStateError, MoriTimeoutError, MoriValueError, bad_type
 from mori.io.env import MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD
 from mori.io.handles import backend_handle
 
@@ -66,6 +73,7 @@ __all__ = [
     "NUM_TABLES",
     "SG_MAX_BLOCK",
     "TABLE_ENTRIES",
+    "TRACE_RINGS",
     "XgmiBackend",
     "create_backend",
     "find_gpu_runtime",
@@ -82,6 +90,9 @@ TABLE_ENTRIES = 4096
 #: pinned descriptor tables per backend: at most this many kernel launches are in flight (a post
 #: beyond that waits for the oldest one's kernel)
 NUM_TABLES = 8
+#: trace-buffer rings :meth:`XgmiBackend.enable_tracing` makes by default (one per program of a launch:
+#: ``blocks * split`` of them, programs beyond the last ring record nothing)
+TRACE_RINGS = 1024
 
 
 def kernel_reaches(handle: Any, gpu_pci: Any, pid: int) -> bool:
@@ -157,6 +168,12 @@ class XgmiBackend:
         self._tables: list[tuple[int, int, int]] = []  # (host, device, event) of each pinned table
         self._stream_of: Callable[[int], int] = runtime.current_stream
         self._closed = False
+        #: the mori.viz TraceBuffer the kernel records into (its traced variants), or None
+        self._trace: Any = None
+        #: every buffer handed to the queue: kept until close(), as launches may still record into one
+        self._trace_kept: list[Any] = []
+        #: word width -> (function, threads, shared) of the untraced kernel handed to the queue
+        self._kernels: dict[int, tuple[int, int, int]] = {}
 
     @property
     def threshold(self) -> int:
@@ -217,18 +234,91 @@ class XgmiBackend:
                 self._free_device(st)
                 raise
         if "launch_kernel" in calls:
-            for word, (function, threads, shared) in self._load_kernels(st).items():
+            self._kernels = self._load_kernels(st)
+            for word, (function, threads, shared) in self._kernels.items():
                 queue.set_kernel(word, function, threads, shared)
         return queue
+
+    # -- tracing (mori.viz) ------------------------------------------------------------------------
+
+    def enable_tracing(self, buffer: Any = None, *, capacity: int = 1024, n_rings: int | None = None) -> Any:
+        """Launch the traced variant of the scatter-gather kernel from now on, recording into
+        ``buffer`` (a :class:`mori.viz.TraceBuffer` on this backend's GPU), or a new one; return it.
+
+        Program ``(i, j)`` of a launch (block ``i``, share ``j`` of ``split``) records into ring
+        ``i + j * blocks``: a ``kernel`` span of ``io.scatter_gather`` with ``table`` and ``copy``
+        nested in it (:data:`mori.io.xgmi_kernels.SLOTS`); programs beyond the buffer's ``n_rings``
+        record nothing. For a new buffer, ``n_rings``: default :data:`TRACE_RINGS`; ``capacity``:
+        events per ring (a power of two; a program records 5 per launch, a full ring keeps the
+        newest). Read it with ``mori.viz.capture([buf])`` when the GPU is idle. Copy-engine copies
+        record nothing. Binds the backend's GPU (as the first GPU registration does) and loads
+        (compiles, or takes from Triton's cache) the traced variants; raises
+        :class:`~mori.core.errors.MoriStateError` if the kernel cannot be loaded or launched here,
+        or the backend is closed. Host-blocking while it compiles; not collective. The buffer is
+        kept alive until :meth:`close`, since launches posted before a later change may still
+        record into it.
+        """
+        func = "enable_tracing"
+        if self._closed:
+            raise MoriStateError(f"{func}: the XGMI backend was removed")
+        from mori.viz import TraceBuffer
+
+        st = self._device()
+        device = self._trace_device(st)
+        if buffer is None:
+            rings = TRACE_RINGS if n_rings is None else n_rings
+            buffer = TraceBuffer(rings, capacity, device=device, name=f"io {self.key}")
+        elif not isinstance(buffer, TraceBuffer) or buffer.device != device:
+            raise bad_type(func, "buffer", buffer, f"None or a mori.viz.TraceBuffer on {device}")
+        if not self._kernels:
+            raise MoriStateError(
+                f"{func}: the scatter-gather kernel is not loaded on this backend (no Triton, or it "
+                "failed to compile: see the log), so nothing would record"
+            )
+        kernels = self._load_kernels(st, traced=True)
+        if not kernels:
+            raise MoriStateError(
+                f"{func}: the traced scatter-gather kernel could not be loaded (see the log)"
+            )
+        address = int(buffer.tensor.data_ptr())
+        with self._lock:
+            if all(b is not buffer for b in self._trace_kept):
+                self._trace_kept.append(buffer)
+            self._trace = buffer
+        for word, (function, threads, shared) in kernels.items():
+            self._queue.set_kernel(word, function, threads, shared, address)
+        return buffer
+
+    def disable_tracing(self) -> None:
+        """Launch the untraced (uninstrumented) kernel again from now on; the buffer of
+        :meth:`enable_tracing` stays readable. Does nothing if tracing is off."""
+        if self._trace is None or self._queue is None:
+            return
+        with self._lock:
+            self._trace = None
+        for word, (function, threads, shared) in self._kernels.items():
+            self._queue.set_kernel(word, function, threads, shared)
+
+    @property
+    def trace_buffer(self) -> Any:
+        """The :class:`mori.viz.TraceBuffer` the kernel records into, or None (tracing off)."""
+        return self._trace
+
+    def _trace_device(self, st: Any) -> Any:
+        """The torch device a trace buffer must be on: the backend's GPU (a test may use the CPU)."""
+        import torch
+
+        return torch.device("cuda", st.index)
 
     def _native_calls(self, drv: Any) -> dict[str, Any]:
         """The driver functions the native queue calls (a test may add its own kernel launcher)."""
         return dict(drv.native_calls())
 
-    def _load_kernels(self, st: Any) -> dict[int, tuple[int, int, int]]:
+    def _load_kernels(self, st: Any, traced: bool = False) -> dict[int, tuple[int, int, int]]:
         """Word width -> (driver function, threads, shared bytes) of the scatter-gather kernel,
-        compiled (or loaded from Triton's cache) for this GPU. None compiled (no Triton, a compile
-        error): batches then go to the copy engines, which is slower but correct."""
+        compiled (or loaded from Triton's cache) for this GPU: its untraced variant, or with
+        ``traced`` the one that takes a trace buffer. None compiled (no Triton, a compile error):
+        batches then go to the copy engines, which is slower but correct."""
         try:
             import torch
 
@@ -237,9 +327,18 @@ class XgmiBackend:
 
             out = {}
             with torch.cuda.device(st.index):
+                # traced: trace_ptr an int64 pointer and TRACE on; untraced: both left at their
+                # defaults (trace_ptr None: not a parameter of the compiled kernel)
+                trace = {"trace_ptr": torch.int64, "TRACE": True} if traced else {}
                 for word in xgmi_kernels.WORD_TYPES:
                     kernel = xgmi_kernels.scatter_gather_kernel.warmup(
-                        torch.int64, 1, 1, WORD_BYTES=word, BLOCK=xgmi_kernels.DEFAULT_BLOCK, grid=(1, 1)
+                        torch.int64,
+                        1,
+                        1,
+                        WORD_BYTES=word,
+                        BLOCK=xgmi_kernels.DEFAULT_BLOCK,
+                        grid=(1, 1),
+                        **trace,
                     )
                     out[word] = launch_config(kernel)
             return out
@@ -335,6 +434,8 @@ class XgmiBackend:
             seg.close()
         if self._dev is not None:
             self._free_device(self._dev)
+        self._trace = None
+        self._trace_kept.clear()  # no launch runs any more
 
     def _retire(self, token: Any, what: str) -> None:
         """New transfers with ``token`` fail; waits for those in flight (MORI_IO_CP_TIMEOUT_MS)."""
