@@ -44,11 +44,22 @@ GPU = int(MemoryLocationType.GPU)
 
 @pytest.fixture(scope="session")
 def sg() -> ModuleType:
-    """mori.io.xgmi_kernels compiled for the Triton interpreter (runs on CPU memory)."""
+    """mori.io.xgmi_kernels compiled for the Triton interpreter (runs on CPU memory), calling an
+    interpreted copy of mori.viz's device helpers (the imported ones are compiled-mode jit functions,
+    which an interpreted kernel cannot call)."""
     pytest.importorskip("triton", reason="the scatter-gather kernel needs Triton")
+    import triton.language.core
+
     import mori.io.xgmi_kernels  # noqa: F401  (Triton's own modules load compiled, not interpreted)
 
-    return load_interpreted("mori.io.xgmi_kernels", "mori_io_xgmi_kernels_interpreted")
+    module = load_interpreted("mori.io.xgmi_kernels", "mori_io_xgmi_kernels_interpreted")
+    module.vd = load_interpreted("mori.viz.device", "mori_viz_device_interpreted")  # type: ignore[attr-defined]
+    # Triton 3.6's interpreter patches the language modules a called device function sees and never
+    # restores them for that call (only a launch restores what its kernel's module sees): the helpers
+    # see triton.language.core, which the kernel's module does not, and it would stay patched, breaking
+    # every later compile in this process. Seen from the kernel's module, each launch restores it.
+    module.tlc = triton.language.core  # type: ignore[attr-defined]
+    return module
 
 
 def _bytes(addr: int, n: int) -> bytes:
@@ -129,8 +140,120 @@ def test_scatter_gather_kernel_carries_aot_specs_for_every_word(sg: ModuleType) 
     from mori.io import xgmi_kernels
 
     specs = aot_specs(xgmi_kernels.scatter_gather_kernel)
-    assert sorted(s.constexprs["WORD_BYTES"] for s in specs) == [1, 2, 4, 8]
-    assert all(set(s.signature) == {"desc_ptr", "n_blocks", "split"} for s in specs)
+    plain = [s for s in specs if not s.constexprs["TRACE"]]
+    traced = [s for s in specs if s.constexprs["TRACE"]]
+    # every width untraced (trace_ptr None: not a parameter) and traced (trace_ptr an aligned pointer)
+    for group in (plain, traced):
+        assert sorted(s.constexprs["WORD_BYTES"] for s in group) == [1, 2, 4, 8]
+    assert all(set(s.signature) == {"desc_ptr", "n_blocks", "split"} for s in plain)
+    assert all(s.constexprs["trace_ptr"] is None for s in plain)
+    assert all(
+        s.signature == {"desc_ptr": "*i64", "n_blocks": "i32", "split": "i32", "trace_ptr": "*i64"}
+        for s in traced
+    )
+    assert all("trace_ptr" in s.aligned for s in traced)
+
+
+# -- tracing (mori.viz) -------------------------------------------------------------------------------------
+
+SCHEMA = ROOT / "packages" / "mori-viz" / "tests" / "chrome_trace.schema.json"
+
+
+def program_events() -> list[tuple[int, int]]:
+    """(kind, slot) that one program of a traced launch records, in order."""
+    from mori.io.xgmi_kernels import SLOTS
+    from mori.viz import layout
+
+    k, t, c = SLOTS.kernel.value, SLOTS.table.value, SLOTS.copy.value
+    return [(layout.BEGIN, k), (layout.BEGIN, t), (layout.NEXT, c), (layout.END, c), (layout.END, k)]
+
+
+def check_rings(buf: Any, programs: int, launches: int) -> None:
+    """Rings ``[0, programs)`` of ``buf`` hold ``launches`` traced launches of every program (paired
+    spans of the declared slots, in time order), the others nothing."""
+    data = buf.read()
+    assert list(data.written[:programs]) == [5 * launches] * programs
+    assert not data.written[programs:].any() and not data.lost.any()
+    for ring in range(programs):
+        ev = data.events[data.events["ring"] == ring]
+        assert [(int(e["kind"]), int(e["slot"])) for e in ev] == program_events() * launches
+        assert [int(e["launch"]) for e in ev] == [n for n in range(launches) for _ in range(5)]
+        assert (ev["ts"][1:] >= ev["ts"][:-1]).all()
+
+
+def check_export(buf: Any, path: Path, spans: int) -> None:
+    """export_to_perfetto of ``buf``: every begin paired (validate_pairs), valid Chrome JSON."""
+    import json
+
+    import jsonschema
+
+    from mori import viz
+
+    report = viz.export_to_perfetto(buf, path, validate_pairs=True, sanitize_orphans=False)
+    assert (report.spans, report.orphans_dropped, report.orphans_kept, report.events_lost) == (spans, 0, 0, 0)
+    doc = json.loads(path.read_text())
+    jsonschema.validate(doc, json.loads(SCHEMA.read_text()))
+    names = {e["name"] for e in doc["traceEvents"] if e["ph"] == "X"}
+    assert names == {"kernel", "table", "copy"}
+
+
+def test_traced_kernel_records_paired_spans_for_every_program(sg: ModuleType, tmp_path: Path) -> None:
+    """5 blocks x split 3 = 15 programs (some copy nothing: a block smaller than its shares)."""
+    from mori import viz
+
+    src = torch.randint(0, 256, (1 << 15,), dtype=torch.uint8)
+    dst = torch.zeros(1 << 15, dtype=torch.uint8)
+    sizes = [8, 512, 1000, 4096, 64]
+    blocks = [Block(dst.data_ptr() + i * 6000, src.data_ptr() + i * 5000, n) for i, n in enumerate(sizes)]
+    buf = viz.TraceBuffer(32, 64, device="cpu", name="io")
+    table = torch.tensor(
+        [[b.dst for b in blocks], [b.src for b in blocks], [b.size for b in blocks]], dtype=torch.int64
+    )
+    for _ in range(2):
+        sg.scatter_gather_kernel[(5, 3)](
+            table, 5, 3, WORD_BYTES=1, BLOCK=64, trace_ptr=buf.tensor, TRACE=True
+        )
+    expected = torch.zeros_like(dst)
+    for i, n in enumerate(sizes):
+        expected[i * 6000 : i * 6000 + n] = src[i * 5000 : i * 5000 + n]
+    assert torch.equal(dst, expected)
+    check_rings(buf, 15, 2)
+    check_export(buf, tmp_path / "sg.json", 15 * 2 * 3)
+
+
+def test_untraced_kernel_compiles_to_the_uninstrumented_kernel(tmp_path: Path) -> None:
+    """TRACE off (trace_ptr None, as the untraced AOT variants and the backend launch it) is the kernel
+    without the instrumentation: the same TTIR as the module with every trace line removed."""
+    import re
+
+    from mori.io import xgmi_kernels
+
+    source = Path(xgmi_kernels.__file__).read_text()
+    trace_lines = ("vd.", "trace_ptr=None", "TRACE: tl.constexpr", "# trace buffer (mori.viz)")
+    kept = [ln for ln in source.splitlines() if not any(t in ln for t in trace_lines)]
+    # 7 helper calls, the AOT decorator, the two arguments and their comment
+    assert len(kept) == len(source.splitlines()) - 11
+    plain_src = "\n".join(kept)
+    (tmp_path / "plain_sg.py").write_text(plain_src + "\n")
+    plain = load_module_file("mori_io_plain_sg", str(tmp_path / "plain_sg.py"))
+    from mori.core.kernels import AotSpec, aot_specs
+    from mori.jit import compile_variant
+
+    def ttir(fn: Any, spec: AotSpec) -> str:  # compiled as a launch with the spec's arguments would be
+        text = compile_variant(fn, spec, "cuda:90").asm["ttir"]
+        body = [ln for ln in text.splitlines() if not ln.startswith("#loc") and "tt.func" not in ln]
+        return "\n".join(re.sub(r" loc\([^)]*\)", "", ln) for ln in body)
+
+    specs = [s for s in aot_specs(xgmi_kernels.scatter_gather_kernel) if s.constexprs["WORD_BYTES"] == 8]
+    (off_spec,) = [s for s in specs if not s.constexprs["TRACE"]]
+    (on_spec,) = [s for s in specs if s.constexprs["TRACE"]]
+    plain_spec = AotSpec(
+        off_spec.signature, {"WORD_BYTES": 8, "BLOCK": xgmi_kernels.DEFAULT_BLOCK}, off_spec.aligned
+    )
+    off = ttir(xgmi_kernels.scatter_gather_kernel, off_spec)
+    assert off == ttir(plain.scatter_gather_kernel, plain_spec)
+    on = ttir(xgmi_kernels.scatter_gather_kernel, on_spec)
+    assert "globaltimer" in on and "globaltimer" not in off
 
 
 # -- the backend on the fake GPU drivers (CUDA and HIP) ----------------------------------------------------
@@ -243,13 +366,19 @@ _LAUNCH = ctypes.CFUNCTYPE(
 )
 
 
+#: the 'driver function' of a traced variant: its word width plus this
+TRACED = 0x100
+
+
 def interpreted_backend_class(sg: ModuleType) -> type[XgmiBackend]:
     """XgmiBackend whose native queue launches the interpreted kernel (the fake GPU's memory is host
-    memory): the 'driver function' of a word width is the width itself, and the launch entry point
-    is a C callback that reads the kernel's parameters the way a driver would."""
+    memory): the 'driver function' of a word width is the width itself (plus TRACED for the traced
+    variant), and the launch entry point is a C callback that reads the kernel's parameters the way
+    a driver would (a traced variant's trace buffer address after ``split``). Trace buffers are on
+    the CPU."""
 
     class InterpretedXgmi(XgmiBackend):
-        launches: list[tuple[int, int, int, int]]  # (word, blocks, split, threads) of each launch
+        launches: list[tuple[int, int, int, int]]  # (function, blocks, split, threads) of each launch
 
         def _native_calls(self, drv: Any) -> dict[str, Any]:
             calls = super()._native_calls(drv)
@@ -264,15 +393,25 @@ def interpreted_backend_class(sg: ModuleType) -> type[XgmiBackend]:
                 self.launches.append((f, n, split, bx))
                 words = (ctypes.c_int64 * (3 * n)).from_address(table)
                 t = torch.frombuffer(words, dtype=torch.int64)
-                sg.scatter_gather_kernel[(n, split)](t, n, split, WORD_BYTES=f, BLOCK=64)
+                if f & TRACED:  # the buffer the queue was given, found by its address
+                    address = ctypes.c_uint64.from_address(params[3]).value
+                    (buf,) = [b.tensor for b in self._trace_kept if b.tensor.data_ptr() == address]
+                    sg.scatter_gather_kernel[(n, split)](
+                        t, n, split, WORD_BYTES=f & ~TRACED, BLOCK=64, trace_ptr=buf, TRACE=True
+                    )
+                else:
+                    sg.scatter_gather_kernel[(n, split)](t, n, split, WORD_BYTES=f, BLOCK=64)
                 return 0
 
             self._launch_cb = _LAUNCH(launch)
             calls["launch_kernel"] = ctypes.cast(self._launch_cb, ctypes.c_void_p).value
             return calls
 
-        def _load_kernels(self, st: Any) -> dict[int, tuple[int, int, int]]:
-            return {w: (w, 128, 0) for w in (8, 4, 2, 1)}
+        def _load_kernels(self, st: Any, traced: bool = False) -> dict[int, tuple[int, int, int]]:
+            return {w: (w | (TRACED if traced else 0), 128, 0) for w in (8, 4, 2, 1)}
+
+        def _trace_device(self, st: Any) -> Any:
+            return torch.device("cpu")
 
     return InterpretedXgmi
 
@@ -383,6 +522,51 @@ def test_large_blocks_use_copy_engines_next_to_the_kernel(node: Node, sg: Module
     assert (c["kernel_launches"], c["kernel_blocks"], c["copies"]) == (1, 8, 1)
     assert a.backend.launches == [(8, 8, 1, 128)]  # word 8, 8 blocks, one program each
     a.backend.close()
+    b.backend.close()
+
+
+def test_tracing_launches_the_traced_kernel_until_disabled(
+    node: Node, sg: ModuleType, tmp_path: Path
+) -> None:
+    """enable_tracing: the queue launches the traced variants with the buffer's address (every
+    program records its spans); disable_tracing: the untraced ones again, recording nothing; the
+    data is byte-exact either way."""
+    from mori import viz
+    from mori.core.errors import MoriStateError, MoriTypeError
+
+    a = make_side(node, sg, "a", 1000)
+    b = make_side(node, sg, "b", 1001)
+    connect(a, b)
+    data = os.urandom(256 * 1024)
+    _fill(a.base, data)
+    offs = [i * 8192 for i in range(16)]
+
+    def batch(uid: int, remote: int) -> None:
+        roffs = [remote + o // 2 for o in offs]
+        wait_ok(a.backend.post("write", a.desc, offs, b.desc, roffs, [1000] * 16, uid))
+        for lo, ro in zip(offs, roffs, strict=True):
+            assert _bytes(b.base + ro, 1000) == data[lo : lo + 1000]
+
+    assert a.backend.trace_buffer is None
+    with pytest.raises(MoriTypeError, match=r"enable_tracing.*buffer"):
+        a.backend.enable_tracing(viz.TraceBuffer(4, 8, device="meta", calibrate=False))
+    buf = a.backend.enable_tracing(n_rings=32, capacity=16)
+    assert a.backend.trace_buffer is buf and buf.device == torch.device("cpu")
+    batch(1, 0)
+    assert a.backend.launches[-1] == (8 | TRACED, 16, 1, 128)
+    check_rings(buf, 16, 1)
+    a.backend.disable_tracing()
+    assert a.backend.trace_buffer is None
+    batch(2, 256 * 1024)
+    assert a.backend.launches[-1] == (8, 16, 1, 128)  # the untraced variant, which records nothing
+    check_rings(buf, 16, 1)
+    assert a.backend.enable_tracing(buf) is buf  # the same buffer again: its rings go on
+    batch(3, 512 * 1024)
+    check_rings(buf, 16, 2)
+    check_export(buf, tmp_path / "io.json", 16 * 2 * 3)
+    a.backend.close()
+    with pytest.raises(MoriStateError, match="enable_tracing: the XGMI backend was removed"):
+        a.backend.enable_tracing()
     b.backend.close()
 
 
@@ -809,12 +993,30 @@ def test_io_engines_route_gpu_memory_through_xgmi(
         wait_ok(ea.read(da, MiB - 256, remote, 0, 256, ea.allocate_transfer_uid()))
         assert _bytes(pa + MiB - 256, 256) == bytes(range(256))
         assert ea._route_name(da, remote) == "InterpretedXgmi"
+        # traced through the engine: the same batch again, every program records
+        buf = ea.enable_tracing(n_rings=64, capacity=16)
+        assert ea.trace_buffer is buf and eb.trace_buffer is None
+        wait_ok(sess.batch_write([i * 512 for i in range(32)], [i * 1024 for i in range(32)], [256] * 32, 2))
+        check_rings(buf, 32, 1)
+        ea.disable_tracing()
+        assert ea.trace_buffer is None
         # out of range: the engine refuses before the backend
         st = ea.write(da, 0, remote, MiB - 8, 16, ea.allocate_transfer_uid())
         assert st.Failed() and st.Code() == StatusCode.ERR_INVALID_ARGS
         assert eb.pop_inbound_transfer_status("ea", 1) is None  # XGMI has no notifications
         ea.deregister_memory(da)
         eb.deregister_memory(db)
+
+
+def test_io_engine_tracing_needs_an_xgmi_backend() -> None:
+    from mori.core.errors import MoriStateError
+
+    with IOEngine("nt", IOEngineConfig("127.0.0.1", 0)) as engine:
+        engine.create_backend(BackendType.TCP)
+        with pytest.raises(MoriStateError, match=r"enable_tracing: engine 'nt' has no XGMI backend \(TCP\)"):
+            engine.enable_tracing()
+        engine.disable_tracing()  # nothing to turn off
+        assert engine.trace_buffer is None
 
 
 def test_tcp_carries_gpu_memory_through_the_runtime_copier(
@@ -916,6 +1118,48 @@ def test_gpu_two_engines_of_one_process_on_one_gpu() -> None:
         wait_ok(ex.read(ds, 0, dd, 5 * MiB, MiB, 3))
         torch.cuda.synchronize()
         assert torch.equal(src[:MiB], src[2 * MiB : 3 * MiB])
+
+
+@pytest.mark.gpu
+def test_gpu_traced_batches_record_every_program(tmp_path: Path) -> None:
+    """IOEngine.enable_tracing on a real GPU: the driver launches the traced variant (the trace
+    buffer through the native launch arguments), each of the 128 programs records kernel/table/copy,
+    the export validates; after disable_tracing the untraced kernel records nothing. Data exact."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    torch.cuda.set_device(0)
+    src = torch.randint(0, 256, (4 * MiB,), dtype=torch.uint8, device="cuda:0")
+    dst = torch.zeros(8 * MiB, dtype=torch.uint8, device="cuda:0")
+    with (
+        IOEngine("tx", IOEngineConfig("127.0.0.1", 0)) as ex,
+        IOEngine("ty", IOEngineConfig("127.0.0.1", 0)) as ey,
+    ):
+        ex.create_backend(BackendType.XGMI)
+        ey.create_backend(BackendType.XGMI)
+        ds, dd = ex.register_torch_tensor(src), ey.register_torch_tensor(dst)
+        ex.register_remote_engine(ey.get_engine_desc())
+        buf = ex.enable_tracing(n_rings=256, capacity=64)
+        assert buf.device == torch.device("cuda", 0)
+        offs = [i * 16384 for i in range(128)]
+
+        def batch(uid: int, base: int) -> None:
+            roffs = [base + 2 * o for o in offs]
+            wait_ok(ex.batch_write([ds], [offs], [dd], [roffs], [[16384] * 128], [uid])[0])
+            torch.cuda.synchronize()
+            for o, r in zip(offs, roffs, strict=True):
+                assert torch.equal(dst[r : r + 16384], src[o : o + 16384])
+
+        batch(1, 0)
+        batch(2, 4 * MiB)
+        backend = ex._backends[BackendType.XGMI]
+        assert isinstance(backend, XgmiBackend) and backend.counters["kernel_launches"] == 2
+        check_rings(buf, 128, 2)  # 16 KiB blocks: one program each
+        check_export(buf, tmp_path / "io.json", 128 * 2 * 3)
+        ex.disable_tracing()
+        dst.zero_()
+        batch(3, 0)
+        assert backend.counters["kernel_launches"] == 3
+        check_rings(buf, 128, 2)
 
 
 @pytest.mark.gpu
