@@ -124,6 +124,29 @@ def _normal(rank: int, world: int) -> str:
         buf.dispatch(xx, topk_weights=wts, **kw)
     out = buf.dispatch(_tokens(rank, 4), topk_weights=wts, **kw)  # and the buffer still works
     assert bool((out[0][:, 0].float() < world).all())
+    # ranks that disagree on the number of experts (here after each has dispatched with both
+    # numbers before, so nothing is allocated anew) fail by name on every rank; they used to wait
+    # for each other forever, each in a count table of its own width
+    idx2 = torch.where(idx >= 0, idx * 2, -1)
+    lay2 = buf.get_dispatch_layout(idx2, 2 * num_experts)
+    kw2 = dict(
+        num_tokens_per_rank=lay2[0], is_token_in_rank=lay2[3], num_tokens_per_expert=lay2[2], topk_idx=idx2
+    )
+    for args in (kw, kw2):
+        buf.dispatch(_tokens(rank, 4), topk_weights=wts, **args)
+    with pytest.raises(MoriValueError, match=r"num_experts \(num_tokens_per_expert.shape\[0\]\): "):
+        buf.dispatch(_tokens(rank, 4), topk_weights=wts, **(kw if rank == 0 else kw2))
+    # more experts than the count table holds at first (256): it grows on every rank, and the
+    # per-expert counts of the call that grew it are complete
+    big = 512 // world * world
+    idx3 = torch.where(idx >= 0, idx * (big // num_experts), -1)
+    lay3 = buf.get_dispatch_layout(idx3, big)
+    for _ in range(2):
+        got = buf.dispatch(
+            _tokens(rank, 4), topk_weights=wts, num_tokens_per_rank=lay3[0], is_token_in_rank=lay3[3],
+            num_tokens_per_expert=lay3[2], topk_idx=idx3,
+        )  # fmt: skip
+        assert len(got[3]) == big // world and sum(got[3]) == int((got[1] >= 0).sum()) > 0
     # a tuple rebuilt from the items lacks the routing: refused by name
     with pytest.raises(TypeError, match=r"handle has type tuple.*rebuilt"):
         buf.combine(recv_x, tuple(handle))  # type: ignore[arg-type]
@@ -498,9 +521,13 @@ def _handle_kernels(rank: int, world: int, device: str = "cpu") -> str:
     # table (here w local tables), then a wait for the other ranks' rows of its own table (here
     # written beforehand, with the epoch), then the send side from the complete table; n = 1 and
     # words of 1 arrive in the kernel as constants, which it must handle like any value
-    for w, e, me, n, words in ((2, 8, 1, 1, [1, 1, 1, 0, 1, 1]), (3, 12, 0, 70, [5, 7168, 56, 4, 0, 8])):
+    # (the header, with the epoch at column w + 8, is the same whatever the number of experts)
+    for w, e, me, n, words in (
+        (2, 8, 1, 1, [1, 1, 1, 0, 1, 1, 8]),
+        (3, 12, 0, 70, [5, 7168, 56, 4, 0, 8, 12]),
+    ):
         gen = torch.Generator().manual_seed(100 + w)
-        width = 2 + w + e + 6
+        width = deepep_handle.header_width(w) + e
         in_rank = torch.rand(n, w, generator=gen) < 0.5
         per_rank = in_rank.sum(0, dtype=torch.int32)
         per_expert = torch.arange(e, dtype=torch.int32) * 2
@@ -510,7 +537,7 @@ def _handle_kernels(rank: int, world: int, device: str = "cpu") -> str:
                 if s != me:
                     tables[me][par, s] = torch.randint(0, 9, (width,), generator=gen)
                     tables[me][par, s, 0] = 20
-                    tables[me][par, s, -1] = epoch
+                    tables[me][par, s, w + 8] = epoch
             before = [t.clone() for t in tables]
             tables = [t.to(dev) for t in tables]
             # one peer's row arrives 2 s after the launch: the kernel must wait for it (in the
@@ -533,7 +560,7 @@ def _handle_kernels(rank: int, world: int, device: str = "cpu") -> str:
             if late:
                 assert time.monotonic() - t0 >= 2.0, "the send side did not wait for a peer's row"
                 timer.join()
-            row = torch.tensor([n, *per_rank.tolist(), *range(0, 2 * e, 2), *words, epoch])
+            row = torch.tensor([n, *per_rank.tolist(), *words, epoch, *range(0, 2 * e, 2)])
             for t, b0 in zip(tables, before, strict=True):
                 t = t.cpu()
                 assert torch.equal(t[par, me], row), (w, par)

@@ -136,6 +136,9 @@ MORI_EP_DEEPEP_RECV_VIEWS = EnvVar(
 )
 #: channels per fp8 scale in low-latency mode (and DeepEP's per-token-group fp8 recipe)
 FP8_GROUP = 128
+#: experts whose per-call counts the count table has room for at first (it grows, collectively,
+#: the first time every rank's dispatch has more)
+_EXPERT_CAP = 256
 #: largest finite float8_e4m3fn value
 FP8_MAX = 448.0
 #: smallest amax used for an fp8 scale (DeepEP's ``kFP8Margin``)
@@ -159,6 +162,7 @@ _NORMAL_FIELDS = (
     agreement.Field("x[1].dtype", agreement.DISPATCH_FIELDS[0].show),
     agreement.Field("topk_idx", lambda v: "given" if v else "None"),
     agreement.Field("top-k (topk_idx.shape[1], or the ranks without topk_idx)"),
+    agreement.Field("num_experts (num_tokens_per_expert.shape[0])"),
 )
 
 
@@ -590,9 +594,11 @@ class Buffer:
             )
         self.rank = shmem.shmem_mype()
         self.group_size = shmem.shmem_npes()
-        # small symmetric tables to all-gather per-call counts, by row width (made on first use)
+        # the symmetric table that all-gathers each normal dispatch's counts, with room for the
+        # per-expert counts of _expert_cap experts (grown when every rank's call needs more)
+        self._expert_cap = _EXPERT_CAP
         self._tables: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[int], torch.Tensor]] = {}
-        self.device = self._table(1)[0].device
+        self.device = self._table(deepep_handle.header_width(self.group_size) + self._expert_cap)[0].device
         self._ops: dict[tuple[Any, ...], EpDispatchCombineOp] = {}
         #: normal dispatch returns views of the receive buffers (two per shape, alternating)
         self._recv_views = bool(MORI_EP_DEEPEP_RECV_VIEWS.get())
@@ -747,15 +753,20 @@ class Buffer:
     def _allgather_counts(
         self, n: int, per_rank: torch.Tensor, per_expert: torch.Tensor, words: list[int]
     ) -> tuple[torch.Tensor, deepep_handle.Put | None]:
-        """All-gather every rank's int64 row ``[n, per_rank, per_expert, *words, epoch]`` into a
+        """All-gather every rank's int64 row ``[n, per_rank, *words, epoch, per_expert]`` into a
         [group_size, width] view of the symmetric table, valid until the second call after this
         one (collective). On the kernels this returns the :class:`~mori.ep.deepep_handle.Put`
         that the send side's launch does (nothing is launched here); else the rows are put and a
-        barrier is queued, and this returns None.
+        barrier is queued, and this returns None. Every rank uses the same table whatever its
+        arguments, so ranks that disagree (even on the number of experts) see each other's words;
+        per-expert counts beyond the table's room are left out (the caller grows it and calls
+        again, see :meth:`dispatch`).
 
         Two tables alternate: a peer writes this one again only after every rank's row of the
         call between has arrived, which this rank sends after everything it queued before."""
-        width = 2 + per_rank.shape[0] + per_expert.shape[0] + len(words)
+        if per_expert.shape[0] > self._expert_cap:
+            per_expert = per_expert[:0]
+        width = deepep_handle.header_width(self.group_size) + self._expert_cap
         table, peers, calls, addrs = self._table(width)
         par = calls[0] % 2
         calls[0] += 1
@@ -767,12 +778,12 @@ class Buffer:
             [
                 torch.tensor([n]),
                 per_rank.to(torch.int64),
-                per_expert.to(dtype=torch.int64),
                 torch.tensor([*words, calls[0]]),
+                per_expert.to(dtype=torch.int64),
             ]
         ).to(self.device)
         for peer in peers:
-            peer[par, self.rank] = row
+            peer[par, self.rank, : row.shape[0]] = row
         shmem.shmem_barrier_on_stream()
         return table[par], None
 
@@ -1030,6 +1041,7 @@ class Buffer:
             agreement.dtype_code(None if scales is None else scales.dtype),
             int(topk_idx is not None),
             k,
+            num_experts,
         ]
         hidden, elem = data.shape[1], max(data.element_size(), 2)
         scale_dim = math.ceil(hidden / FP8_GROUP)
@@ -1056,12 +1068,28 @@ class Buffer:
         table = gathered.cpu()
         # Python arithmetic: a torch op on these few CPU numbers took 5-30 us (profiled)
         rows_of = table.tolist()
-        nw = len(words)
-        if any(r[-1 - nw : -1] != words for r in rows_of):
+        w0 = 1 + w  # the words' first column
+        if any(r[w0 : w0 + len(words)] != words for r in rows_of):
             err = agreement.mismatch(
-                func, "each dispatch call's arguments", _NORMAL_FIELDS, table[:, -1 - nw : -1], self.rank
+                func,
+                "each dispatch call's arguments",
+                _NORMAL_FIELDS,
+                table[:, w0 : w0 + len(words)],
+                self.rank,
             )
             raise err or MoriValueError(f"{func}: the ranks disagree on each dispatch call's arguments")
+        if num_experts > self._expert_cap:
+            # every rank's call has this many experts (just compared): all grow the table together
+            # (collective) and repeat the all-gather with the per-expert counts
+            self._expert_cap = _pow2_at_least(num_experts)
+            if self._recv_views:  # the slot this call took is taken again
+                key = ("normal", hidden, elem, e_local, k)
+                self._slots[key] ^= 1
+            return self.dispatch(
+                x, None, num_tokens_per_rank, None, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
+                allocate_on_comm_stream,
+            )  # fmt: skip
         m = _pow2_at_least(max(r[0] for r in rows_of))
         total = sum(r[1 + self.rank] for r in rows_of)
         rows = num_worst_tokens or total
@@ -1118,7 +1146,7 @@ class Buffer:
         if scales is not None:
             recv_scales = self._recv_rows(op.buffers.recv_scales, scales.dtype, scales.shape[1], total, rows)
         recv_idx, recv_w = recv.recv_idx, recv.recv_w
-        base = 1 + w + self.rank * e_local
+        base = deepep_handle.header_width(w) + self.rank * e_local
         counts: list[int] = []
         if not num_worst_tokens:
             per_local = map(sum, zip(*(r[base : base + e_local] for r in rows_of), strict=True))

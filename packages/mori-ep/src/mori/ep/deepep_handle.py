@@ -1,7 +1,8 @@
 """The bookkeeping of the DeepEP layer's normal dispatch: where each row goes, and the handle.
 
 A normal dispatch (:meth:`mori.ep.deepep.Buffer.dispatch`) all-gathers every rank's counts into a
-table (int64 ``[W, width]``, row ``s`` = rank ``s``'s ``[num_tokens, sent to rank 0..W-1, ...]``)
+table (int64 ``[W, width]``, row ``s`` = rank ``s``'s ``[num_tokens, sent to rank 0..W-1, 7 words
+that every rank's call must have alike, epoch, per-expert counts]``)
 and then needs, on this rank:
 
 * before the operator runs (:func:`send_side`): ``dest`` int32 [W, M], the receive row on rank
@@ -36,9 +37,27 @@ import torch
 from mori.core.relaunch import Relaunch
 from mori.ep.layout import IMPLS, pow2_at_least
 
-__all__ = ["IMPLS", "Put", "RecvSide", "SendSide", "recv_side", "send_side", "uses_kernels"]
+__all__ = [
+    "IMPLS",
+    "WORDS",
+    "Put",
+    "RecvSide",
+    "SendSide",
+    "header_width",
+    "recv_side",
+    "send_side",
+    "uses_kernels",
+]
 
 _BLOCK = 1024  #: tokens (send side) or rows (receive side) per step of one program
+#: words of a table row between the sent counts and the epoch (what every rank's call must have alike)
+WORDS = 7
+
+
+def header_width(world: int) -> int:
+    """Columns of a table row before its per-expert counts: ``[n, sent to 0..W-1, *WORDS words,
+    epoch]``."""
+    return world + 2 + WORDS
 
 
 def uses_kernels(impl: str, device: torch.device) -> bool:
@@ -57,15 +76,16 @@ _RECV_SIDE = Relaunch("mori.ep.deepep_handle_kernels:recv_side_kernel")
 @dataclass
 class Put:
     """The all-gather that :func:`send_side` also does (kernels only): this rank's row ``[n,
-    per_rank, per_expert, *words, epoch]`` (int64) into every rank's table, then the wait for
-    every other rank's row of this rank's table."""
+    per_rank, *words, epoch, per_expert]`` (int64) into every rank's table, then the wait for
+    every other rank's row of this rank's table. The epoch's column, ``W + 8``, does not depend on
+    the number of experts."""
 
     addrs: torch.Tensor  #: int64 [W]: every rank's table (this call's half), as mapped here
     offset: int  #: elements from a table's start to this rank's row
     epoch: int  #: this call's number (> 0, growing): the last word of a complete row
     per_rank: torch.Tensor  #: int32 [W] on the device
-    per_expert: torch.Tensor  #: int32 [E] on the device
-    words: list[int]  #: six ints
+    per_expert: torch.Tensor  #: int32 [E] on the device (E = 0: the row's header alone)
+    words: list[int]  #: seven ints
 
 
 @dataclass
@@ -111,16 +131,20 @@ def send_side(
         dest, total, send_head, chan = out.split_with_sizes([w * m, 1, n * w, w * channels])
         dest, send_head, chan = dest.view(w, m), send_head.view(n, w), chan.view(w, channels)
         if put is not None:
-            if len(put.words) != 6:
-                raise ValueError(f"deepep_handle.send_side: put.words has {len(put.words)} entries, not 6")
+            if len(put.words) != WORDS:
+                raise ValueError(
+                    f"deepep_handle.send_side: put.words has {len(put.words)} entries, not {WORDS}"
+                )
             addrs, offset, epoch, own, per_expert, words = (
                 put.addrs, put.offset, put.epoch, put.per_rank, put.per_expert, put.words
             )  # fmt: skip
         elif per_rank is None:
             raise ValueError("deepep_handle.send_side: the kernels need put or per_rank")
         else:  # (every pointer must still point into an allocation)
-            addrs, offset, epoch, own, per_expert, words = table, 0, 0, per_rank, per_rank, [0] * 6
+            addrs, offset, epoch, own, per_expert, words = table, 0, 0, per_rank, per_rank, [0] * WORDS
         e = int(per_expert.shape[0]) if put is not None else 0
+        if e == 0:  # (every pointer must still point into an allocation)
+            per_expert = own
         _SEND_SIDE(
             (w,),
             addrs,

@@ -31,6 +31,7 @@ def _send_variants() -> list[dict[str, object]]:
                 "w3": "i32",
                 "w4": "i32",
                 "w5": "i32",
+                "w6": "i32",
                 "in_rank_ptr": "*u8",
                 "n_tok": "i32",
                 "table_ptr": "*i64",
@@ -68,13 +69,14 @@ def send_side_kernel(
     epoch,  # this call's number (> 0), stored last in the row: the row is complete
     per_rank_ptr,  # int32 [W]: tokens this rank sends to each rank
     per_expert_ptr,  # int32 [n_experts]
-    n_experts,
-    w0,  # six words every rank's call must have alike (compared on the host)
+    n_experts,  # entries of per_expert_ptr to put (0: the header alone)
+    w0,  # seven words every rank's call must have alike (compared on the host)
     w1,
     w2,
     w3,
     w4,
     w5,
+    w6,
     in_rank_ptr,  # uint8 [n_tok, W]: token t goes to rank p
     n_tok,
     table_ptr,  # int64 [W, table_stride]: this rank's table: row s = rank s's [n, sent to 0..W-1, ...]
@@ -94,8 +96,8 @@ def send_side_kernel(
     BLOCK: tl.constexpr,
     PUT: tl.constexpr,  # the all-gather too (else the table is complete already)
 ):
-    """With ``PUT``, program ``p`` first writes this rank's row ``[n_tok, per_rank, per_expert,
-    w0..w5, epoch]`` (int64) into rank ``p``'s table, the epoch last with a release, then waits
+    """With ``PUT``, program ``p`` first writes this rank's row ``[n_tok, per_rank, w0..w6, epoch,
+    per_expert]`` (int64) into rank ``p``'s table, the epoch last with a release, then waits
     (acquire, no timeout, as the shmem barrier) until every other rank's row of this rank's table
     carries ``epoch``: the all-gather, without a barrier launch. A table is written again two
     calls later, after every rank's row of the call between has arrived, so after this rank read it.
@@ -116,20 +118,28 @@ def send_side_kernel(
         tl.store(row + 1 + srcs, tl.load(per_rank_ptr + srcs, mask=srcs < W).to(tl.int64), mask=srcs < W)
         es = tl.arange(0, E_P2)
         ok = es < n_experts
-        tl.store(row + 1 + W + es, tl.load(per_expert_ptr + es, mask=ok).to(tl.int64), mask=ok)
+        # (the per-expert counts after the fixed header: where the epoch lies does not depend on
+        # the number of experts, so ranks that disagree on it still find each other's rows)
+        tl.store(row + 9 + W + es, tl.load(per_expert_ptr + es, mask=ok).to(tl.int64), mask=ok)
         ws = tl.arange(0, 8)
         words = tl.zeros([8], tl.int64) + tl.where(
             ws == 0,
             w0,
-            tl.where(ws == 1, w1, tl.where(ws == 2, w2, tl.where(ws == 3, w3, tl.where(ws == 4, w4, w5)))),
+            tl.where(
+                ws == 1,
+                w1,
+                tl.where(
+                    ws == 2, w2, tl.where(ws == 3, w3, tl.where(ws == 4, w4, tl.where(ws == 5, w5, w6)))
+                ),
+            ),
         )
-        tl.store(row + 1 + W + n_experts + ws, words, mask=ws < 6)
+        tl.store(row + 1 + W + ws, words, mask=ws < 7)
         tl.debug_barrier()  # every thread's stores before the flag
-        tl.atomic_xchg(row + 7 + W + n_experts, epoch, sem="release", scope="sys")
+        tl.atomic_xchg(row + 8 + W, epoch, sem="release", scope="sys")
         s = 0
         while s < W:
             if s != rank:
-                flag = table_ptr + s * table_stride + 7 + W + n_experts
+                flag = table_ptr + s * table_stride + 8 + W
                 seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
                 while seen < epoch:
                     seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
