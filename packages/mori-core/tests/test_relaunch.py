@@ -33,6 +33,9 @@ def _relaunch(rank: int, world: int, device: str) -> int:
         assert int((out != 0).sum()) <= n, "stored past n"
     with pytest.raises(TypeError, match="BLOCK"):
         launch((1,), base, out, 1, 1)
+    if dev.type == "cuda":  # tensors go to the launcher as addresses: a host tensor is refused first
+        with pytest.raises(ValueError, match="argument 0 is on cpu, not a GPU"):
+            launch((1,), base.cpu(), out, 1, 1, BLOCK=64, num_warps=1)
     return len(launch._compiled)
 
 

@@ -12,7 +12,9 @@ whether it is 1, a multiple of 16, and 32-bit, 64-bit or unsigned 64-bit; every 
 argument (the ``tl.constexpr`` ones, ``num_warps``) by value. A key Triton would treat alike costs one more ``warmup`` (a hit in
 Triton's cache), never a wrong kernel. The launch is the call ``compiled[grid](*args)`` makes
 (``CompiledKernel.run`` with its function handle, metadata and Triton's launch hooks), made
-directly. On an H200 host the layout kernel of :mod:`mori.ep.layout` launched in 12 us this way
+directly, with every tensor given as its device address (the launcher otherwise calls
+``data_ptr()`` and makes one driver query per tensor on every launch; a tensor that is not on a
+GPU is refused here instead). On an H200 host the layout kernel of :mod:`mori.ep.layout` launched in 12 us this way
 (the key 2.4 us of it) and in 16 us as ``kernel[grid](...)``. Under
 ``TRITON_INTERPRET=1`` (the kernel is an ``InterpretedFunction``) the launch is the plain
 ``kernel[grid](...)``.
@@ -78,23 +80,32 @@ class Relaunch:
             self._sizes = torch.version.hip is not None  # (AMD's buffer ops: tensors under 2 GiB)
         self._ready = True
 
-    def _key(self, args: tuple[Any, ...], kw: dict[str, Any]) -> tuple[Any, ...]:
+    def _key(self, args: tuple[Any, ...], kw: dict[str, Any]) -> tuple[tuple[Any, ...], list[Any]]:
+        """The specialisation key of ``args`` and ``kw``, and ``args`` as the launcher takes them:
+        each tensor by its device address (Triton's launcher would call ``data_ptr()`` and ask the
+        driver about that address again, for every tensor on every launch)."""
         key: list[Any] = [self._torch.cuda.current_device()]
+        call: list[Any] = []
         tensor = self._torch.Tensor
         for a in args:
             if isinstance(a, tensor):
+                p = a.data_ptr()
+                if not a.is_cuda and p:  # (what the launcher's driver query would have refused)
+                    raise ValueError(f"{self._name}: argument {len(call)} is on {a.device}, not a GPU")
                 if self._sizes:
-                    key.append((a.dtype, a.data_ptr() & 15 == 0, a.untyped_storage().nbytes() < 1 << 31))
+                    key.append((a.dtype, p & 15 == 0, a.untyped_storage().nbytes() < 1 << 31))
                 else:
-                    key.append((a.dtype, a.data_ptr() & 15 == 0))
+                    key.append((a.dtype, p & 15 == 0))
+                a = p
             elif type(a) is int:  # 1, a multiple of 16, and the type: i32, i64 or u64
                 key.append(
                     (a == 1) + 2 * (a & 15 == 0) + 4 * (-(1 << 31) <= a < 1 << 31) + 8 * (a >= 1 << 63)
                 )
             else:
                 key.append(_spec(a))
+            call.append(a)
         key.append(tuple(kw.items()))  # constexprs and options, by value (in the caller's order)
-        return tuple(key)
+        return tuple(key), call
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **kw: Any) -> None:
         if not self._ready:
@@ -102,7 +113,7 @@ class Relaunch:
         if self._interpreted:
             self.kernel[grid](*args, **kw)
             return
-        key = self._key(args, kw)
+        key, call = self._key(args, kw)
         compiled = self._compiled.get(key)
         if compiled is None:
             rest = self._names[len(args) :]
@@ -120,5 +131,5 @@ class Relaunch:
         meta = None if enter is None else kernel.launch_metadata((g0, g1, g2), stream, *args, *tail)
         # the call compiled[grid](*args) makes, without building its closure on every launch
         kernel.run(
-            g0, g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *args, *tail
+            g0, g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *call, *tail
         )
