@@ -328,17 +328,12 @@ class XgmiBackend:
             out = {}
             with torch.cuda.device(st.index):
                 # traced: trace_ptr an int64 pointer and TRACE on; untraced: both left at their
-                # defaults (trace_ptr None: not a parameter of the compiled kernel)
-                trace = {"trace_ptr": torch.int64, "TRACE": True} if traced else {}
+                # defaults (trace_ptr None: not a parameter of the compiled kernel). Positional:
+                # warmup takes a dtype for a pointer only there (a keyword dtype fails to specialize)
+                trace = (torch.int64, True) if traced else ()
                 for word in xgmi_kernels.WORD_TYPES:
                     kernel = xgmi_kernels.scatter_gather_kernel.warmup(
-                        torch.int64,
-                        1,
-                        1,
-                        WORD_BYTES=word,
-                        BLOCK=xgmi_kernels.DEFAULT_BLOCK,
-                        grid=(1, 1),
-                        **trace,
+                        torch.int64, 1, 1, word, xgmi_kernels.DEFAULT_BLOCK, *trace, grid=(1, 1)
                     )
                     out[word] = launch_config(kernel)
             return out
