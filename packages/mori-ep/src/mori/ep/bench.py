@@ -85,7 +85,7 @@ DEFAULT_TOKENS = {"cuda": [4096, 128], "cpu": [512, 128]}
 DEFAULT_ITERS = {"cuda": 50, "cpu": 10}
 DEFAULT_WARMUP = {"cuda": 5, "cpu": 1}
 DEFAULT_REPS = {"cuda": 10, "cpu": 1}
-#: with --trace: rounds of (untraced, traced) timings, alternating, each with --iters samples
+#: with --trace: untraced and traced samples taken in turn, TRACE_ROUNDS x --iters of each
 TRACE_ROUNDS = 4
 #: channels per fp8 scale (DeepEP's per-token, per-128-channel format)
 FP8_BLOCK = 128
@@ -191,7 +191,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="also time dispatch and combine with tracing compiled in and on (mori.viz), alternating "
-        f"with the untraced kernels ({TRACE_ROUNDS} rounds of each, samples pooled), and write each "
+        f"sample by sample with the untraced kernels ({TRACE_ROUNDS} x --iters samples of each), and write each "
         "rank's trace to DIR/<tokens>-<dtype>/ (GPU kernels only)",
     )
 
@@ -492,6 +492,28 @@ class _Timer:
             samples.append(bench.time_cuda(once, self.reps))
         return {"samples": samples, "mode": mode}
 
+    def interleaved(self, fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, dict[str, Any]]:
+        """Times every one of ``fns`` (captured once each) ``rounds * iters`` times, one sample of
+        each in turn, the order reversed every other turn (A B, B A, ...): a drift of the clocks or
+        of another MPS client falls on all of them alike, and no one always goes first."""
+        keys = list(fns)
+        if not self.cuda:
+            return {k: self._wall(fns[k]) for k in keys}
+        import torch
+
+        prepared = {k: bench.graph_or_eager(fns[k], self.reps, capture=True) for k in keys}
+        for _ in range(self.warmup):
+            for k in keys:
+                self._barrier()
+                prepared[k][0]()
+        torch.cuda.synchronize()
+        samples: dict[str, list[float]] = {k: [] for k in keys}
+        for i in range(rounds * self.iters):
+            for k in keys if i % 2 == 0 else reversed(keys):
+                self._barrier()
+                samples[k].append(bench.time_cuda(prepared[k][0], self.reps))
+        return {k: {"samples": samples[k], "mode": prepared[k][1]} for k in keys}
+
     def _wall(self, fn: Callable[[], object]) -> dict[str, Any]:
         samples = bench.time_samples(
             fn, iters=self.iters, warmup=self.warmup, reps=self.reps, before=self._barrier
@@ -505,9 +527,18 @@ def _rounds(spec: dict[str, Any]) -> int:
     return TRACE_ROUNDS if spec["trace"] else 1
 
 
-def _pool(times: dict[str, Any], key: str, t: dict[str, Any]) -> None:
-    """Add the samples of timing ``t`` to ``times[key]`` (created by the first)."""
-    times.setdefault(key, {"samples": [], "mode": t["mode"]})["samples"] += t["samples"]
+def _traced(op: Any, buf: Any, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with ``op``'s tracing on into ``buf`` (a CUDA graph captured of it replays the traced
+    kernels; eagerly, each call turns tracing on and off again on the host)."""
+
+    def call() -> object:
+        op.enable_tracing(buf)
+        try:
+            return fn()
+        finally:
+            op.disable_tracing()
+
+    return call
 
 
 def _case(
@@ -603,16 +634,21 @@ def _case(
     trace_buf = None
     for sms in spec["sms"]:
         times: dict[str, Any] = {"sms": sms}
-        # with --trace, untraced and traced alternate TRACE_ROUNDS times and each pools its
-        # samples: a drift of the clocks or of the other MPS client then falls on both alike
-        for _ in range(_rounds(spec)):
-            _pool(times, "dispatch", timer(functools.partial(dispatch, sms), capture=True))
-            _pool(times, "combine", timer(functools.partial(combine, sms), capture=True))
-            if spec["trace"]:
-                trace_buf = op.enable_tracing(trace_buf)
-                _pool(times, "dispatch_traced", timer(functools.partial(dispatch, sms), capture=True))
-                _pool(times, "combine_traced", timer(functools.partial(combine, sms), capture=True))
-                op.disable_tracing()
+        if not spec["trace"]:
+            times["dispatch"] = timer(functools.partial(dispatch, sms), capture=True)
+            times["combine"] = timer(functools.partial(combine, sms), capture=True)
+        else:
+            # the untraced and the traced calls sample in turn (one CUDA graph each, the traced
+            # one captured with tracing on): what differs between them is the tracing alone
+            trace_buf = op.enable_tracing(trace_buf)
+            op.disable_tracing()
+            for phase, call in (("dispatch", dispatch), ("combine", combine)):
+                plain = functools.partial(call, sms)
+                times.update(
+                    timer.interleaved(
+                        {phase: plain, f"{phase}_traced": _traced(op, trace_buf, plain)}, TRACE_ROUNDS
+                    )
+                )
         ours.append(times)
     if trace_buf is not None:
         from mori import viz
@@ -812,7 +848,7 @@ def _report(spec: dict[str, Any], results: list[dict[str, Any]], rows: list[dict
     print(
         "latency: median [p10-p90] us per call of the slowest rank over "
         f"{spec['iters'] * _rounds(spec)} measurements of {spec['reps']} call(s)"
-        + (f" ({TRACE_ROUNDS} rounds, alternating with the traced calls)" if spec["trace"] else "")
+        + (", taken in turn with the traced calls' samples" if spec["trace"] else "")
         + "; GB/s: per rank, mean over ranks, 1 GB = 1e9 B"
     )
     print(
@@ -875,7 +911,7 @@ def _report(spec: dict[str, Any], results: list[dict[str, Any]], rows: list[dict
         print(f"baseline not run: {spec['baseline_skipped']}")
     if rows and "traced" in rows[0]:
         print(
-            f"tracing compiled in and on (mori.viz) vs off, same calls, {TRACE_ROUNDS} alternating rounds (traced/untraced):"
+            "tracing compiled in and on (mori.viz) vs off, same calls, samples taken in turn (traced/untraced):"
         )
         for r in rows:
             t = r["traced"]
