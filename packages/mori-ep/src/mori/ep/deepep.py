@@ -456,9 +456,10 @@ def _tensor(
         raise bad_type(func, name, t, "a torch.Tensor")
     if t.dtype not in dtypes:
         raise bad_value(func, f"{name}.dtype", t.dtype, " or ".join(str(d) for d in dtypes))
-    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape, strict=True)):
-        raise bad_value(func, f"{name}.shape", list(t.shape), want)
+    got = t.shape
+    if len(got) != len(shape) or any(s is not None and s != d for s, d in zip(shape, got, strict=True)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise bad_value(func, f"{name}.shape", list(got), want)
     return t
 
 

@@ -62,16 +62,20 @@ def dispatch_layout(
         return _torch_layout(topk_idx, num_experts, world)
     n, k = topk_idx.shape
     idx = topk_idx.contiguous()
-    counts = torch.zeros(world + num_experts, dtype=torch.int32, device=idx.device)
-    in_rank = torch.empty(n, world, dtype=torch.bool, device=idx.device)
+    # one zeroed allocation (each torch call costs microseconds of host time): the bool table's
+    # bytes (all written by the kernel), rounded up to 16 bytes, then the counters
+    table = -(-n * world // 16) * 4
+    out = torch.zeros(table + world + num_experts, dtype=torch.int32, device=idx.device)
+    in_rank = out[:table].view(torch.bool)[: n * world].view(n, world)
+    per_rank, per_expert = out[table:].split_with_sizes([world, num_experts])
     if n:
         bt = 64
         _KERNEL(
             (-(-n // bt),),
             idx,
             n,
-            counts,
-            counts[world:],
+            per_rank,
+            per_expert,
             in_rank.view(torch.uint8),
             num_experts,
             num_experts // world,
@@ -83,4 +87,4 @@ def dispatch_layout(
             BT=bt,
             num_warps=4,
         )
-    return counts[:world], counts[world:], in_rank
+    return per_rank, per_expert, in_rank
