@@ -110,13 +110,35 @@ class _GroupCommit:
             lead = not self._busy
             self._busy = True
         if not lead:
-            slot.gate.acquire()  # released once: the answer is in, or this call sends next
+            try:
+                slot.gate.acquire()  # released once: the answer is in, or this call sends next
+            except BaseException:
+                # interrupted while waiting (KeyboardInterrupt reaches the main thread alone): the
+                # gate is still released once, and what this call would then do (wake the next
+                # answered call, or send the next RPC) a thread of its own does, so that no other
+                # caller waits forever
+                threading.Thread(target=self._abandoned, args=(slot,), daemon=True).start()
+                raise
             if not slot.lead:
-                if slot.chain is not None:  # the next answered call of this RPC
-                    slot.chain.gate.release()
-                if slot.error is not None:
-                    raise slot.error
-                return slot.result
+                return self._answered(slot)
+        return self._lead(slot)
+
+    def _answered(self, slot: _Slot) -> Any:
+        if slot.chain is not None:  # the next answered call of this RPC
+            slot.chain.gate.release()
+        if slot.error is not None:
+            raise slot.error
+        return slot.result
+
+    def _abandoned(self, slot: _Slot) -> None:
+        slot.gate.acquire()
+        with contextlib.suppress(BaseException):  # (nobody is left to take this call's answer)
+            if slot.lead:
+                self._lead(slot)
+            else:
+                self._answered(slot)
+
+    def _lead(self, slot: _Slot) -> Any:
         # this thread sends the next RPC, with whatever has queued up to the limits
         with self._lock:
             batch: list[_Slot] = []
