@@ -7,6 +7,7 @@ import contextlib
 import os
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from umbp_helpers import Master, RedisServer, free_port
@@ -420,6 +421,88 @@ def test_group_commit_wakes_every_caller_and_hands_errors_to_their_batch() -> No
     for q in failed:  # raised the error of the RPC that carried it, which carried a failing query
         batch = results[q].args[1]  # type: ignore[union-attr]
         assert q in batch and any(b in bad for b in batch), "only its batch raised"
+    assert gc(5, 1) == 10 and not gc._busy, "the group commit is idle and usable afterwards"
+
+
+@pytest.mark.parametrize("role", ["next sender", "answered call"])
+def test_group_commit_caller_interrupted_while_waiting_leaves_nobody_waiting(role: str) -> None:
+    """A caller interrupted while it waits (Ctrl-C reaches the main thread alone) raises, and the
+    calls queued with it still get their answers: what the interrupted call would have done when
+    woken (send the next RPC, or wake the next answered call of its RPC) is still done."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from mori.umbp.master_client import _GroupCommit
+
+    class Interrupted(BaseException):
+        pass
+
+    rpcs = [threading.Event() for _ in range(3)]
+    sent: list[list[int]] = []
+
+    def send(queries: list[int]) -> list[int]:
+        sent.append(list(queries))
+        rpcs[len(sent) - 1].wait(10)  # in flight until the test lets it return
+        return [q * 2 for q in queries]
+
+    gc = _GroupCommit(send, max_calls=8, max_items=1 << 20)
+    results: dict[int, int] = {}
+
+    def call(q: int) -> None:
+        results[q] = gc(q, 1)
+
+    def until(cond: Any) -> None:
+        deadline = time.monotonic() + 10
+        while not cond():
+            assert time.monotonic() < deadline, f"stuck at {sent} with queue {len(gc._queue)}"
+            time.sleep(0.005)
+
+    def start(q: int) -> threading.Thread:
+        th = threading.Thread(target=call, args=(q,), daemon=True)
+        th.start()
+        return th
+
+    def driver() -> None:
+        until(lambda: len(gc._queue) == queued_before_main + 1)  # the main thread waits
+        others.append(start(3))  # queued behind it
+        until(lambda: len(gc._queue) == queued_before_main + 2)
+        if role == "next sender":
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGINT)  # while the main thread waits to send RPC 2
+            time.sleep(0.05)
+            rpcs[0].set()
+        else:
+            rpcs[0].set()  # RPC 2 ([10, 2, 3], sent by 10) carries the main thread's call
+            until(lambda: len(sent) == 2)
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGINT)  # while it waits for RPC 2's answer
+            time.sleep(0.05)
+        rpcs[1].set()
+        rpcs[2].set()
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise Interrupted
+
+    old = signal.signal(signal.SIGINT, interrupt)
+    try:
+        others = [start(1)]  # sends RPC 1
+        until(lambda: len(sent) == 1)
+        if role == "answered call":
+            others.append(start(10))  # sends RPC 2
+            until(lambda: len(gc._queue) == 1)
+        queued_before_main = len(gc._queue)
+        threading.Thread(target=driver, daemon=True).start()
+        with pytest.raises(Interrupted):
+            gc(2, 1)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    until(lambda: len(others) == (2 if role == "next sender" else 3))
+    for th in others:
+        th.join(10)
+    assert not any(th.is_alive() for th in others), f"a call queued with the interrupted one hangs ({sent})"
+    assert results == {1: 2, 3: 6} | ({10: 20} if role == "answered call" else {})
     assert gc(5, 1) == 10 and not gc._busy, "the group commit is idle and usable afterwards"
 
 

@@ -13,6 +13,7 @@ Reports and revokes for unknown or expired nodes are ignored by the master, not 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -67,7 +68,7 @@ class _Slot:
     released exactly once, when the call has its answer or must send the next RPC: the cheapest
     wake-up Python has (an Event allocates a Condition and, per wait, another lock)."""
 
-    __slots__ = ("error", "gate", "items", "lead", "query", "result", "wake")
+    __slots__ = ("chain", "error", "gate", "items", "lead", "query", "result", "wake")
 
     def __init__(self, query: Any, items: int) -> None:
         self.query, self.items = query, items
@@ -76,8 +77,10 @@ class _Slot:
         self.lead = False
         self.result: Any = None
         self.error: BaseException | None = None
-        #: a leader's: the answered calls of the previous RPC, woken just before this one is sent
-        self.wake: list[_Slot] = []
+        #: a leader's: the first answered call of the previous RPC, woken just before this one is sent
+        self.wake: _Slot | None = None
+        #: an answered call's: the next answered call of its RPC, which it wakes on its way out
+        self.chain: _Slot | None = None
 
 
 class _GroupCommit:
@@ -86,9 +89,13 @@ class _GroupCommit:
     nothing is delayed; under concurrency the RPCs carry many calls. If an RPC fails, every call
     in it raises that error.
 
-    When an RPC returns and calls are waiting, the first of them becomes the next sender and the
-    answered calls are woken by it, just before it sends: woken at once, they would hold the GIL
-    while the next sender waits for it, and the master would sit idle meanwhile."""
+    When an RPC returns and calls are waiting, the first of them becomes the next sender and
+    wakes the answered calls just before it sends: woken at once, they would hold the GIL while
+    the next sender waits for it, and the master would sit idle meanwhile. The answered calls are
+    woken one after another, each by the one before it on its way out (a chain), not all by one
+    thread: all at once, every one of them would wake only to sleep again on the GIL the others
+    hold, two context switches per call instead of one (measured on a 2-vCPU VM, 32 callers and a
+    fake 1 ms RPC: 2.5 -> 1.3 context switches and 48 -> 33 us of CPU per call, same calls/s)."""
 
     def __init__(self, send: Callable[[list[Any]], list[Any]], max_calls: int, max_items: int) -> None:
         self._send, self._max_calls, self._max_items = send, max_calls, max_items
@@ -103,11 +110,35 @@ class _GroupCommit:
             lead = not self._busy
             self._busy = True
         if not lead:
-            slot.gate.acquire()  # released once: the answer is in, or this call sends next
+            try:
+                slot.gate.acquire()  # released once: the answer is in, or this call sends next
+            except BaseException:
+                # interrupted while waiting (KeyboardInterrupt reaches the main thread alone): the
+                # gate is still released once, and what this call would then do (wake the next
+                # answered call, or send the next RPC) a thread of its own does, so that no other
+                # caller waits forever
+                threading.Thread(target=self._abandoned, args=(slot,), daemon=True).start()
+                raise
             if not slot.lead:
-                if slot.error is not None:
-                    raise slot.error
-                return slot.result
+                return self._answered(slot)
+        return self._lead(slot)
+
+    def _answered(self, slot: _Slot) -> Any:
+        if slot.chain is not None:  # the next answered call of this RPC
+            slot.chain.gate.release()
+        if slot.error is not None:
+            raise slot.error
+        return slot.result
+
+    def _abandoned(self, slot: _Slot) -> None:
+        slot.gate.acquire()
+        with contextlib.suppress(BaseException):  # (nobody is left to take this call's answer)
+            if slot.lead:
+                self._lead(slot)
+            else:
+                self._answered(slot)
+
+    def _lead(self, slot: _Slot) -> Any:
         # this thread sends the next RPC, with whatever has queued up to the limits
         with self._lock:
             batch: list[_Slot] = []
@@ -118,9 +149,9 @@ class _GroupCommit:
                 b = self._queue.popleft()
                 batch.append(b)
                 n += b.items
-        for b in slot.wake:  # the previous RPC's calls: theirs to run while this one is in flight
-            b.gate.release()
-        slot.wake = []
+        if slot.wake is not None:  # the previous RPC's calls: theirs to run while this one is in flight
+            slot.wake.gate.release()
+            slot.wake = None
         try:
             results = self._send([b.query for b in batch])
             for b, r in zip(batch, results, strict=True):
@@ -129,19 +160,20 @@ class _GroupCommit:
             for b in batch:
                 b.error = e
         answered = [b for b in batch if b is not slot]
-        for b in answered:
-            b.lead = False
+        for a, b in itertools.pairwise(answered):
+            a.chain = b
+        head = answered[0] if answered else None
         with self._lock:
             if self._queue:  # the next waiter sends the next RPC, and wakes the answered calls
                 nxt = self._queue[0]
                 nxt.lead = True
-                nxt.wake = answered
+                nxt.wake = head
                 nxt.gate.release()
-                answered = []
+                head = None
             else:
                 self._busy = False
-        for b in answered:
-            b.gate.release()
+        if head is not None:
+            head.gate.release()
         if slot.error is not None:
             raise slot.error
         return slot.result
