@@ -583,3 +583,43 @@ def test_session_posts_check_their_arguments_like_the_engine(pair) -> None:
     pair.a.shutdown()
     with pytest.raises(MoriStateError, match="batch_write: engine 'a' was shut down"):
         sess.batch_write([0], [0], [8], 23)
+
+
+def test_native_session_posts_and_status_calls_keep_their_signatures(pair) -> None:
+    """The session posts and the status's Wait/Succeeded/Failed/Init/InProgress are plain C methods
+    (not pybind11's dispatcher): arguments by position or name as before, a TypeError for a wrong
+    count, a repeated or unknown name, and for a status whose __init__ never ran."""
+    from mori.core.transfer import TransferStatus as NativeStatus
+
+    fast = pair.a.create_session(pair.src_desc, pair.dst_desc)._fast
+    pair.src[:64] = 7
+    st = _done(fast.write(local_offset=0, remote_offset=0, size=32, uid=41))
+    assert st.Succeeded() and not st.Failed() and not st.Init() and not st.InProgress()
+    st = _done(fast.batch_write([32], remote_offsets=[32], sizes=[32], uid=42))
+    assert st.Succeeded(), st.Message()
+    assert torch.equal(pair.dst[:64], pair.src[:64])
+    for call, match in (
+        (lambda: fast.read(0, 0, 8), "missing argument 'uid'"),
+        (lambda: fast.read(0, 0, 8, 1, 2), "takes 4 arguments"),
+        (lambda: fast.read(0, 0, 8, 1, size=8), "unexpected argument 'size'|repeated argument 'size'"),
+        (lambda: fast.batch_read([0], [0], [8], 1, block=2), "unexpected argument 'block'"),
+        (lambda: fast.write(0, 0, 8, uid=1, local_offset=0), "repeated argument 'local_offset'"),
+    ):
+        with pytest.raises(TypeError, match=match):
+            call()
+    with pytest.raises(TypeError):  # the fast path's own rejection (the session turns it into a named error)
+        fast.write(0, 0, 8, 1.5)
+
+    class Uninitialized(NativeStatus):
+        def __init__(self) -> None:  # never calls the base __init__
+            pass
+
+    with pytest.raises(TypeError):
+        Uninitialized()
+    with pytest.raises(TypeError, match="doesn't apply"):
+        NativeStatus.Wait(object())  # type: ignore[arg-type]
+    fresh = NativeStatus()
+    assert fresh.Init() and not fresh.Succeeded() and fresh.WaitFor(0) is False
+    fresh.complete(3, "no")
+    fresh.Wait()
+    assert fresh.Failed() and fresh.Code() == StatusCode.ERR_INVALID_ARGS

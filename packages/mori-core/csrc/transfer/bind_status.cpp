@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "../registry.hpp"
+#include "bind_fast.hpp"
 #include "engine.hpp"
 
 namespace py = pybind11;
@@ -14,8 +15,40 @@ using namespace mori::transfer;
 
 namespace {
 
-bool finished_ok(const StatusPtr& s) { return s->code() == SUCCESS; }
-bool finished_bad(const StatusPtr& s) { return s->done() && s->code() != SUCCESS; }
+using mori::transfer::bind::held;
+
+// The status calls a waiting loop makes, as METH_NOARGS methods (bind_fast.hpp).
+template <bool (*Test)(const Status&)>
+PyObject* status_test(PyObject* self, PyObject*) {
+  const Status* s = held<Status>(self);
+  if (!s) return nullptr;
+  return PyBool_FromLong(Test(*s));
+}
+bool finished_ok(const Status& s) { return s.code() == SUCCESS; }
+bool finished_bad(const Status& s) { return s.done() && s.code() != SUCCESS; }
+bool not_started(const Status& s) { return s.code() == INIT; }
+bool in_progress(const Status& s) { return s.code() == IN_PROGRESS; }
+
+// Wait: a status already done (a same-host copy completes inside its post) returns without
+// letting go of the GIL.
+PyObject* status_wait(PyObject* self, PyObject*) {
+  Status* s = held<Status>(self);
+  if (!s) return nullptr;
+  if (!s->done()) {
+    Py_BEGIN_ALLOW_THREADS s->wait_for(-1);
+    Py_END_ALLOW_THREADS
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kStatusMethods[] = {
+    {"Init", status_test<not_started>, METH_NOARGS, "Init($self)\n--\n\nNot started yet."},
+    {"InProgress", status_test<in_progress>, METH_NOARGS, "InProgress($self)\n--\n\nPosted, not finished."},
+    {"Succeeded", status_test<finished_ok>, METH_NOARGS, "Succeeded($self)\n--\n\nFinished and every byte arrived."},
+    {"Failed", status_test<finished_bad>, METH_NOARGS,
+     "Failed($self)\n--\n\nFinished with an error (Code() says which)."},
+    {"Wait", status_wait, METH_NOARGS, "Wait($self)\n--\n\nBlock until finished (GIL released)."},
+};
 
 }  // namespace
 
@@ -32,18 +65,11 @@ void register_transfer_status(py::module_& m) {
       .value("ERR_BAD_STATE", ERR_BAD_STATE)
       .value("ERR_GPU_OP", ERR_GPU_OP);
 
-  py::class_<Status, StatusPtr>(m, "TransferStatus",
-                                "State of one asynchronous transfer; completed exactly once by the engine.")
-      .def(py::init<>())
-      .def("Code", [](const StatusPtr& s) { return Code(s->code()); }, "Current StatusCode.")
-      .def("Message", [](const StatusPtr& s) { return s->message(); }, "Error text ('' on success).")
-      .def("Init", [](const StatusPtr& s) { return s->code() == INIT; }, "Not started yet.")
-      .def("InProgress", [](const StatusPtr& s) { return s->code() == IN_PROGRESS; }, "Posted, not finished.")
-      .def("Succeeded", &finished_ok, "Finished and every byte arrived.")
-      .def("Failed", &finished_bad, "Finished with an error (Code() says which).")
-      .def(
-          "Wait", [](const StatusPtr& s) { s->wait_for(-1); }, py::call_guard<py::gil_scoped_release>(),
-          "Block until finished (GIL released).")
+  py::class_<Status, StatusPtr> status(m, "TransferStatus",
+                                       "State of one asynchronous transfer; completed exactly once by the engine.");
+  status.def(py::init<>())
+      .def("Code", [](const Status& s) { return Code(s.code()); }, "Current StatusCode.")
+      .def("Message", [](Status& s) { return s.message(); }, "Error text ('' on success).")
       .def(
           "WaitFor", [](const StatusPtr& s, int64_t ms) { return s->wait_for(ms); }, py::arg("timeout_ms"),
           py::call_guard<py::gil_scoped_release>(),
@@ -60,6 +86,7 @@ void register_transfer_status(py::module_& m) {
         std::string msg = s->message();
         return "<TransferStatus " + name + (msg.empty() ? "" : ": " + msg) + ">";
       });
+  for (PyMethodDef& d : kStatusMethods) mori::transfer::bind::set_method(status, &d);
 
   m.def(
       "wait_all",

@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "bind_fast.hpp"
 #include "engine.hpp"
 #include "gpu_calls.hpp"
 #include "protocol.hpp"
@@ -144,23 +145,50 @@ inline StatusPtr with_lists(py::handle local_offsets, py::handle remote_offsets,
 
 using U64s = std::vector<uint64_t>;
 
+// One of a session's posts as a METH_FASTCALL method (bind_fast.hpp): four arguments, by position
+// or name, handed to S::many or S::one; a C++ exception becomes the Python exception pybind11's
+// dispatcher would raise.
+template <typename S, bool Many, uint16_t Op>
+PyObject* session_post_raw(PyObject* self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) {
+  static const char* const one_names[4] = {"local_offset", "remote_offset", "size", "uid"};
+  static const char* const many_names[4] = {"local_offsets", "remote_offsets", "sizes", "uid"};
+  const char* func = Many ? (Op == kRead ? "batch_read" : "batch_write") : (Op == kRead ? "read" : "write");
+  PyObject* a[4];
+  if (!four_args(func, Many ? many_names : one_names, args, nargsf, kwnames, a)) return nullptr;
+  S* s = held<S>(self);
+  if (!s) return nullptr;
+  try {
+    StatusPtr st = Many ? s->many(Op, a[0], a[1], a[2], a[3]) : s->one(Op, a[0], a[1], a[2], a[3]);
+    return py::cast(std::move(st)).release().ptr();
+  } catch (...) {
+    py::detail::try_translate_exceptions();
+    return nullptr;
+  }
+}
+
+template <typename S, bool Many, uint16_t Op>
+PyMethodDef* session_post_def(const char* name, const char* doc) {
+  static PyMethodDef def{name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&session_post_raw<S, Many, Op>)),
+                         METH_FASTCALL | METH_KEYWORDS, doc};
+  return &def;
+}
+
 // A session's four posts (read, write, batch_read, batch_write) on a class with many(op, ...) and
 // one(op, ...), op kRead or kWrite.
 template <typename S>
 void def_session_posts(py::class_<S>& c) {
-  const auto lists = std::make_tuple(py::arg("local_offsets"), py::arg("remote_offsets"), py::arg("sizes"),
-                                     py::arg("uid"));
-  const auto one = std::make_tuple(py::arg("local_offset"), py::arg("remote_offset"), py::arg("size"), py::arg("uid"));
-  auto many_of = [](uint16_t op) {
-    return [op](S& s, py::handle lo, py::handle ro, py::handle sz, py::handle uid) { return s.many(op, lo, ro, sz, uid); };
-  };
-  auto one_of = [](uint16_t op) {
-    return [op](S& s, py::handle lo, py::handle ro, py::handle sz, py::handle uid) { return s.one(op, lo, ro, sz, uid); };
-  };
-  std::apply([&](auto... a) { c.def("batch_read", many_of(kRead), a...); }, lists);
-  std::apply([&](auto... a) { c.def("batch_write", many_of(kWrite), a...); }, lists);
-  std::apply([&](auto... a) { c.def("read", one_of(kRead), a...); }, one);
-  std::apply([&](auto... a) { c.def("write", one_of(kWrite), a...); }, one);
+  set_method(c, session_post_def<S, true, kRead>(
+                    "batch_read", "batch_read($self, local_offsets, remote_offsets, sizes, uid)\n--\n\n"
+                                  "Remote -> local, blocks at the offsets (lists or tuples of ints); its TransferStatus."));
+  set_method(c, session_post_def<S, true, kWrite>(
+                    "batch_write", "batch_write($self, local_offsets, remote_offsets, sizes, uid)\n--\n\n"
+                                   "Local -> remote, blocks at the offsets (lists or tuples of ints); its TransferStatus."));
+  set_method(c, session_post_def<S, false, kRead>(
+                    "read", "read($self, local_offset, remote_offset, size, uid)\n--\n\n"
+                            "Remote -> local, one block; its TransferStatus."));
+  set_method(c, session_post_def<S, false, kWrite>(
+                    "write", "write($self, local_offset, remote_offset, size, uid)\n--\n\n"
+                             "Local -> remote, one block; its TransferStatus."));
 }
 
 template <typename T>

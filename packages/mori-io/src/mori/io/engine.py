@@ -855,7 +855,7 @@ class IOEngineSession:
 
     def read(self, local_offset: int, remote_offset: int, size: int, uid: int) -> TransferStatus:
         """Remote → local, one block."""
-        if self._usable():
+        if self._engine._gen == self._checked_gen or self._usable():  # the first test inlines _usable's
             try:
                 st: TransferStatus = self._fast.read(local_offset, remote_offset, size, uid)
                 return st
@@ -867,7 +867,7 @@ class IOEngineSession:
 
     def write(self, local_offset: int, remote_offset: int, size: int, uid: int) -> TransferStatus:
         """Local → remote, one block."""
-        if self._usable():
+        if self._engine._gen == self._checked_gen or self._usable():  # the first test inlines _usable's
             try:
                 st: TransferStatus = self._fast.write(local_offset, remote_offset, size, uid)
                 return st
@@ -881,7 +881,7 @@ class IOEngineSession:
         self, local_offsets: Sequence[int], remote_offsets: Sequence[int], sizes: Sequence[int], uid: int
     ) -> TransferStatus:
         """Remote → local, many blocks as one transfer (contiguous blocks are merged)."""
-        if self._usable():
+        if self._engine._gen == self._checked_gen or self._usable():  # the first test inlines _usable's
             try:
                 st: TransferStatus = self._fast.batch_read(local_offsets, remote_offsets, sizes, uid)
                 return st
@@ -902,7 +902,7 @@ class IOEngineSession:
         self, local_offsets: Sequence[int], remote_offsets: Sequence[int], sizes: Sequence[int], uid: int
     ) -> TransferStatus:
         """Local → remote, many blocks as one transfer."""
-        if self._usable():
+        if self._engine._gen == self._checked_gen or self._usable():  # the first test inlines _usable's
             try:
                 st: TransferStatus = self._fast.batch_write(local_offsets, remote_offsets, sizes, uid)
                 return st
