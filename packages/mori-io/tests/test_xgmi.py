@@ -631,6 +631,72 @@ def test_concurrent_posts_from_several_threads(
     b.backend.close()
 
 
+def test_two_threads_mapping_one_region_at_once_both_succeed(
+    node: Node, sg: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two first posts to one remote region, both opening its mapping: the first mapping recorded
+    stays (a post may already hold its token) and the other is closed. Forced order: "late" opens
+    first and records its mapping only after "early" opened, recorded and is about to post. (The
+    late one used to replace the early one's mapping and retire its token: the early post failed
+    with "a region was deregistered".)"""
+    monkeypatch.setenv("MORI_IO_XGMI_SCATTER_GATHER_THRESHOLD", "0")
+    a = make_side(node, sg, "a", 1000, num_streams=2)
+    b = make_side(node, sg, "b", 1001)
+    connect(a, b)
+    data = os.urandom(8192)
+    _fill(a.base, data)
+    late_opening, early_posting, late_posting = threading.Event(), threading.Event(), threading.Event()
+    real_open, queue = a.backend.runtime.open_range, a.backend._queue
+
+    def open_range(handle: bytes) -> Any:
+        seg = real_open(handle)
+        if threading.current_thread().name == "late":
+            late_opening.set()
+            assert early_posting.wait(10)
+        return seg
+
+    class Queue:  # the native queue, with the early post held until the late one posted
+        def __getattr__(self, name: str) -> Any:
+            return getattr(queue, name)
+
+        def post(self, *args: Any) -> Any:
+            if threading.current_thread().name == "early":
+                early_posting.set()
+                assert late_posting.wait(10)
+            else:
+                late_posting.set()
+            return queue.post(*args)
+
+    monkeypatch.setattr(a.backend.runtime, "open_range", open_range)
+    monkeypatch.setattr(a.backend, "_queue", Queue())
+    results: dict[str, tuple[bool, str]] = {}
+
+    def worker(t: int) -> None:
+        st = a.backend.post("write", a.desc, [t * 4096], b.desc, [t * 4096], [4096], t)
+        results[threading.current_thread().name] = (st.WaitFor(5000) and st.Succeeded(), st.Message())
+
+    late = threading.Thread(target=worker, args=(1,), name="late")
+    early = threading.Thread(target=worker, args=(0,), name="early")
+    late.start()
+    assert late_opening.wait(10)
+    early.start()
+    for th in (late, early):
+        th.join()
+    assert sorted(results) == ["early", "late"] and all(ok for ok, _ in results.values()), results
+    assert _bytes(b.base, 8192) == data
+    assert len(a.backend._mapped) == 1
+    monkeypatch.setattr(a.backend, "_queue", queue)
+    monkeypatch.setattr(a.backend.runtime, "open_range", real_open)
+    wait_ok(a.backend.post("write", a.desc, [0], b.desc, [0], [64], 9))  # later posts reuse the kept one
+    # both opens share one driver mapping (refcounted): it is unmapped at close only if the spare
+    # segment was closed as well
+    assert a.rt.lib.calls.count(node.call("ipc_open")) == 1
+    assert a.rt.lib.calls.count(node.call("ipc_close")) == 0
+    a.backend.close()
+    assert a.rt.lib.calls.count(node.call("ipc_close")) == 1
+    b.backend.close()
+
+
 def test_supports_only_gpu_pairs_of_one_node_with_matching_handles(node: Node, sg: ModuleType) -> None:
     a = make_side(node, sg, "a", 1000)
     b = make_side(node, sg, "b", 1001)

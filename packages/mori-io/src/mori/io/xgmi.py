@@ -461,14 +461,22 @@ class XgmiBackend:
             ) from e
         reach = kernel_reaches(h, self._device().pci, self.runtime.pid)
         with self._lock:
-            old = self._mapped.pop(k, None)
-            self._mapped[k] = (handle, seg, reach, self._queue.token())
+            # another thread may have opened the same handle meanwhile: the first mapping stays
+            # (its token and address may be in use already), this one is closed
+            entry = self._mapped.get(k)
+            if entry is not None and entry[0] == handle:
+                old, spare = None, seg
+            else:
+                old, spare = self._mapped.pop(k, None), None
+                entry = self._mapped[k] = (handle, seg, reach, self._queue.token())
+        if spare is not None:
+            spare.close()
         if old is not None:  # the same region id with another handle: the old mapping goes
             try:
                 self._retire(old[3], f"region {remote.id} of engine {remote.engine_key!r}")
             finally:
                 old[1].close()
-        return int(seg.addr), reach, self._mapped[k][3]
+        return int(entry[1].addr), entry[2], entry[3]
 
     def _pair(self, local: MemoryDesc, remote: MemoryDesc) -> tuple[Any, bool, int, bool, Any]:
         if self._closed:
