@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from mori.core.errors import MoriBackendError, MoriValueError
+from mori.core.errors import MoriBackendError, MoriTimeoutError, MoriValueError
 from mori.io import (
     BackendType,
     EngineDesc,
@@ -568,6 +568,52 @@ def test_tracing_launches_the_traced_kernel_until_disabled(
     with pytest.raises(MoriStateError, match="enable_tracing: the XGMI backend was removed"):
         a.backend.enable_tracing()
     b.backend.close()
+
+
+def test_replaced_trace_buffers_are_released_and_bounded(
+    node: Node, sg: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trace buffer replaced by a later enable/disable_tracing is held only while transfers are
+    pending (they may still record into it), and at most TRACE_KEPT_REPLACED of them: replacing
+    one more first waits for the queue to drain, with a timeout that names the variable."""
+    import gc
+    import weakref
+
+    from mori import viz
+
+    a = make_side(node, sg, "a", 1000)
+    first = a.backend.enable_tracing(n_rings=8, capacity=8)
+    gone = weakref.ref(first)
+    for _ in range(2 * xgmi.TRACE_KEPT_REPLACED):  # nothing pending: each replaced one is let go
+        a.backend.enable_tracing(viz.TraceBuffer(8, 8, device="cpu", calibrate=False))
+        assert len(a.backend._trace_kept) == 1
+    del first
+    gc.collect()
+    assert gone() is None
+    a.backend.disable_tracing()
+    assert a.backend._trace_kept == []
+
+    queue, pending = a.backend._queue, {"n": 1}
+
+    class Busy:  # the native queue, with a transfer reported pending
+        def __getattr__(self, name: str) -> Any:
+            return getattr(queue, name)
+
+        def counters(self) -> dict[str, int]:
+            return {**queue.counters(), "pending": pending["n"]}
+
+    monkeypatch.setattr(a.backend, "_queue", Busy())
+    monkeypatch.setenv("MORI_IO_CP_TIMEOUT_MS", "50")
+    kept = [a.backend.enable_tracing(n_rings=8, capacity=8) for _ in range(xgmi.TRACE_KEPT_REPLACED + 1)]
+    assert [id(b) for b in a.backend._trace_kept] == [id(b) for b in kept]  # the current one + 4 replaced
+    with pytest.raises(MoriTimeoutError, match="MORI_IO_CP_TIMEOUT_MS=50 ms"):
+        a.backend.enable_tracing(n_rings=8, capacity=8)
+    assert a.backend.trace_buffer is kept[-1] and len(a.backend._trace_kept) == len(kept)  # unchanged
+    pending["n"] = 0
+    last = a.backend.enable_tracing(n_rings=8, capacity=8)
+    assert a.backend._trace_kept == [last]
+    monkeypatch.setattr(a.backend, "_queue", queue)
+    a.backend.close()
 
 
 def test_statuses_complete_without_wait_and_mappings_are_cached(node: Node, sg: ModuleType) -> None:

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +94,9 @@ NUM_TABLES = 8
 #: trace-buffer rings :meth:`XgmiBackend.enable_tracing` makes by default (one per program of a launch:
 #: ``blocks * split`` of them, programs beyond the last ring record nothing)
 TRACE_RINGS = 1024
+#: trace buffers replaced by a later enable/disable_tracing that are kept while launches may still
+#: record into them; replacing one more first waits until nothing is pending
+TRACE_KEPT_REPLACED = 4
 
 
 def kernel_reaches(handle: Any, gpu_pci: Any, pid: int) -> bool:
@@ -170,7 +174,8 @@ class XgmiBackend:
         self._closed = False
         #: the mori.viz TraceBuffer the kernel records into (its traced variants), or None
         self._trace: Any = None
-        #: every buffer handed to the queue: kept until close(), as launches may still record into one
+        #: the buffer handed to the queue and those it replaced while a launch may still record into
+        #: them (at most TRACE_KEPT_REPLACED of those, see _release_replaced)
         self._trace_kept: list[Any] = []
         #: word width -> (function, threads, shared) of the untraced kernel handed to the queue
         self._kernels: dict[int, tuple[int, int, int]] = {}
@@ -254,9 +259,11 @@ class XgmiBackend:
         record nothing. Binds the backend's GPU (as the first GPU registration does) and loads
         (compiles, or takes from Triton's cache) the traced variants; raises
         :class:`~mori.core.errors.MoriStateError` if the kernel cannot be loaded or launched here,
-        or the backend is closed. Host-blocking while it compiles; not collective. The buffer is
-        kept alive until :meth:`close`, since launches posted before a later change may still
-        record into it.
+        or the backend is closed. Host-blocking while it compiles; not collective. A buffer this
+        replaces is kept alive while transfers posted before are pending (they may still record
+        into it); with :data:`TRACE_KEPT_REPLACED` such buffers kept, this first waits until no
+        transfer is pending (:class:`~mori.core.errors.MoriTimeoutError` after
+        ``MORI_IO_CP_TIMEOUT_MS``, tracing unchanged).
         """
         func = "enable_tracing"
         if self._closed:
@@ -281,12 +288,15 @@ class XgmiBackend:
                 f"{func}: the traced scatter-gather kernel could not be loaded (see the log)"
             )
         address = int(buffer.tensor.data_ptr())
+        if self._trace is not None and self._trace is not buffer:
+            self._release_replaced(switching=True)
         with self._lock:
             if all(b is not buffer for b in self._trace_kept):
                 self._trace_kept.append(buffer)
             self._trace = buffer
         for word, (function, threads, shared) in kernels.items():
             self._queue.set_kernel(word, function, threads, shared, address)
+        self._release_replaced()
         return buffer
 
     def disable_tracing(self) -> None:
@@ -298,6 +308,35 @@ class XgmiBackend:
             self._trace = None
         for word, (function, threads, shared) in self._kernels.items():
             self._queue.set_kernel(word, function, threads, shared)
+        self._release_replaced()
+
+    def _release_replaced(self, *, switching: bool = False) -> None:
+        """Drop the trace buffers the queue's kernels no longer record into, once nothing is
+        pending: a post reads the kernel and counts as pending in one step of the native queue,
+        so every launch that got a replaced buffer's address is pending until it has run.
+        ``switching``: called before a change that replaces the current buffer; with
+        TRACE_KEPT_REPLACED replaced ones kept already, wait for that first (nothing changed if
+        the wait times out)."""
+        with self._lock:
+            replaced = [b for b in self._trace_kept if b is not self._trace]
+        if not replaced:
+            return
+        if switching and len(replaced) >= TRACE_KEPT_REPLACED:
+            self._wait_idle(f"the transfers that may record into the {len(replaced)} trace buffers replaced")
+        elif self._queue.counters()["pending"] != 0:
+            return
+        with self._lock:
+            self._trace_kept = [b for b in self._trace_kept if all(b is not r for r in replaced)]
+
+    def _wait_idle(self, what: str) -> None:
+        from mori.io import env
+
+        timeout_ms = env.MORI_IO_CP_TIMEOUT_MS.get() or 30000
+        deadline = time.monotonic() + timeout_ms / 1000
+        while self._queue.counters()["pending"] != 0:
+            if time.monotonic() > deadline:
+                raise MoriTimeoutError(f"XGMI: {what} still ran after MORI_IO_CP_TIMEOUT_MS={timeout_ms} ms")
+            time.sleep(0.001)
 
     @property
     def trace_buffer(self) -> Any:
